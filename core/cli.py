@@ -1,0 +1,102 @@
+"""The ``tokenmill`` command: ``launch`` serves a model, ``plugins`` lists what is installed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+from tokenmill import __version__
+from tokenmill.config import Config, ConfigError, parse_config
+from tokenmill.loading import ModelLoadError, resolve
+from tokenmill.plugins import PluginError, build_plugin_manager, choose, list_all
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "timestamp": self.formatTime(record),
+            "level": record.levelname,
+            "target": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(json_output: bool) -> None:
+    handler = logging.StreamHandler()
+    if json_output:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def preflight(config: Config) -> None:
+    """Fail before serving on what can be known without loading: plugin choices, model path."""
+    pm = build_plugin_manager()
+    for kind in ("backend", "attention", "scheduler", "kv_allocator"):
+        choose(pm, kind, getattr(config, kind))
+    resolve(config.model_id, config.revision)
+
+
+def launch(argv: Sequence[str]) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as error:
+        print(f"tokenmill: error: {error}", file=sys.stderr)
+        return 2
+    setup_logging(config.json_output)
+    try:
+        preflight(config)
+    except (ConfigError, PluginError, ModelLoadError) as error:
+        print(f"tokenmill: error: {error}", file=sys.stderr)
+        return 2
+    from tokenmill.serve import serve
+
+    return serve(config)
+
+
+def plugins(argv: Sequence[str]) -> int:
+    pm = build_plugin_manager()
+    rows = list_all(pm)
+    width = max((len(r.name) for r in rows), default=4)
+    print(f"{'kind':<13} {'name':<{width}}  {'status':<40} source")
+    for row in rows:
+        status = "available" if row.unavailable_reason is None else f"unavailable: {row.unavailable_reason}"
+        print(f"{row.kind:<13} {row.name:<{width}}  {status:<40} {row.source}")
+    return 0
+
+
+USAGE = """usage: tokenmill {launch,plugins,version} [options]
+
+  launch   serve a model over TGI's HTTP API (tokenmill launch --help)
+  plugins  list the registered backends, attention kernels, schedulers and KV allocators
+  version  print the version
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "launch":
+        return launch(rest)
+    if command == "plugins":
+        return plugins(rest)
+    if command in ("version", "--version"):
+        print(__version__)
+        return 0
+    print(f"tokenmill: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

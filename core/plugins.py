@@ -1,0 +1,101 @@
+"""The plugin manager: built-in plugins, entry-point plugins, and choosing by name."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+import pluggy
+
+from tokenmill import hookspecs
+from tokenmill.interfaces import Implementation
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tokenmill"
+
+BUILTIN_PLUGINS = (
+    "tokenmill_plugins.backends.transformers",
+    "tokenmill_plugins.attention.torch_kernels",
+    "tokenmill_plugins.schedulers.fifo",
+    "tokenmill_plugins.kv.dynamic",
+)
+
+KIND_HOOKS = {
+    "backend": "tokenmill_backends",
+    "attention": "tokenmill_attention_kernels",
+    "scheduler": "tokenmill_schedulers",
+    "kv_allocator": "tokenmill_kv_allocators",
+}
+
+
+class PluginError(Exception):
+    """A plugin choice that cannot be honoured; the message is one line for the operator."""
+
+
+@dataclass(frozen=True)
+class Offered:
+    """One implementation as ``tokenmill plugins`` lists it."""
+
+    kind: str
+    name: str
+    source: str
+    description: str
+    unavailable_reason: str | None
+
+
+def build_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
+    """A manager with the hookspecs, the built-in plugins and (unless disabled) entry points."""
+    pm = pluggy.PluginManager("tokenmill")
+    pm.add_hookspecs(hookspecs)
+    for module_name in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(module_name), name=module_name)
+    if autoload is None:
+        autoload = os.environ.get("TOKENMILL_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0", "false")
+    if autoload:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    pm.check_pending()
+    return pm
+
+
+def offered(pm: pluggy.PluginManager, kind: str) -> list[tuple[Implementation, str]]:
+    """Every implementation of ``kind`` with the name of the plugin that offers it."""
+    hook = getattr(pm.hook, KIND_HOOKS[kind])
+    found: list[tuple[Implementation, str]] = []
+    for impl in hook.get_hookimpls():
+        source = pm.get_name(impl.plugin) or repr(impl.plugin)
+        for implementation in impl.function() or []:
+            found.append((implementation, source))
+    return found
+
+
+def list_all(pm: pluggy.PluginManager) -> list[Offered]:
+    rows = []
+    for kind in KIND_HOOKS:
+        for implementation, source in offered(pm, kind):
+            rows.append(
+                Offered(
+                    kind=kind,
+                    name=implementation.name,
+                    source=source,
+                    description=implementation.description,
+                    unavailable_reason=implementation.unavailable_reason(),
+                )
+            )
+    return rows
+
+
+def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
+    """The implementation of ``kind`` called ``name``, or a PluginError listing the choices."""
+    candidates = offered(pm, kind)
+    flag = "--" + kind.replace("_", "-")
+    names = ", ".join(sorted({impl.name for impl, _ in candidates})) or "none"
+    for implementation, _source in candidates:
+        if implementation.name == name:
+            reason = implementation.unavailable_reason()
+            if reason:
+                raise PluginError(f"{flag} {name} is not available here: {reason} (choices: {names})")
+            return implementation
+    raise PluginError(f"unknown {flag} {name!r} (choices: {names})")

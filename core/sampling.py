@@ -1,0 +1,131 @@
+"""Turning logits into tokens: penalties, plugin processors, warpers, and the choice.
+
+The order follows TGI: repetition penalty, frequency penalty, plugin processors,
+then (when sampling) temperature, top-k, top-p and typical-p; greedy takes the
+argmax. Log-probabilities are those of the processed distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tokenmill.sequence import SamplingParams
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+def uses_sampling(params: SamplingParams) -> bool:
+    """Sampling is on when asked for, or implied by any warper (as in TGI)."""
+    return (
+        params.do_sample
+        or (params.temperature is not None and params.temperature != 1.0)
+        or bool(params.top_k)
+        or (params.top_p is not None and params.top_p < 1.0)
+        or (params.typical_p is not None and params.typical_p < 1.0)
+    )
+
+
+def new_seed() -> int:
+    return random.SystemRandom().randrange(1, 2**63 - 1)
+
+
+@dataclass
+class Choice:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class SequenceSampler:
+    """The sampling state of one sequence: its generator and extra processors."""
+
+    def __init__(
+        self, params: SamplingParams, seed: int | None, processors: list[LogitsProcessor], top_n: int
+    ) -> None:
+        self.params = params
+        self.sampling = uses_sampling(params)
+        self.processors = processors
+        self.top_n = top_n
+        self.generator: torch.Generator | None = None
+        if self.sampling:
+            self.generator = torch.Generator().manual_seed(seed if seed is not None else new_seed())
+
+    def process(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The processed scores of one row ``[vocab]`` (float32)."""
+        scores = logits.float()
+        p = self.params
+        if (p.repetition_penalty not in (None, 1.0)) or p.frequency_penalty:
+            history = torch.tensor(token_ids, dtype=torch.long, device=scores.device)
+            if p.repetition_penalty not in (None, 1.0):
+                seen = torch.unique(history)
+                picked = scores[seen]
+                scores = scores.clone()
+                scores[seen] = torch.where(
+                    picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
+                )
+            if p.frequency_penalty:
+                counts = torch.bincount(history, minlength=scores.shape[-1]).to(scores.dtype)
+                scores = scores - p.frequency_penalty * counts
+        for processor in self.processors:
+            scores = processor(token_ids, scores)
+        if self.sampling:
+            scores = warp(scores, p)
+        return scores
+
+    def choose(self, token_ids: list[int], logits: torch.Tensor) -> Choice:
+        scores = self.process(token_ids, logits)
+        logprobs = torch.log_softmax(scores, dim=-1)
+        if self.sampling:
+            probs = logprobs.exp()
+            token_id = int(torch.multinomial(probs, 1, generator=self.generator).item())
+        else:
+            token_id = int(torch.argmax(scores).item())
+        return Choice(token_id, float(logprobs[token_id]), top_logprobs(logprobs, self.top_n))
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    if n <= 0:
+        return []
+    values, ids = torch.topk(logprobs, n)
+    return [(int(i), float(v)) for i, v in zip(ids, values) if math.isfinite(float(v))]
+
+
+def warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and typical-p truncation (removed tokens get -inf)."""
+    if p.temperature is not None and p.temperature != 1.0:
+        scores = scores / p.temperature
+    if p.top_k:
+        k = min(p.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if p.top_p is not None and p.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_scores.softmax(-1) >= p.top_p
+        drop_sorted[0] = False
+        scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), -math.inf)
+    if p.typical_p is not None and p.typical_p < 1.0:
+        logprobs = scores.log_softmax(-1)
+        probs = logprobs.exp()
+        entropy = -(torch.nan_to_num(probs * logprobs)).sum()
+        deviation = (-logprobs - entropy).abs()
+        sorted_dev, order = torch.sort(deviation)
+        cumulative = probs[order].cumsum(-1)
+        keep_count = int((cumulative < p.typical_p).sum().item()) + 1
+        drop_sorted = torch.ones_like(sorted_dev, dtype=torch.bool)
+        drop_sorted[:keep_count] = False
+        scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), -math.inf)
+    return scores
+
+
+def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor) -> list[float | None]:
+    """Log-probability of each prompt token given the ones before it; None for the first."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
+    picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1) if len(prompt_ids) > 1 else []
+    return [None] + [float(v) for v in picked]

@@ -1,0 +1,132 @@
+"""A request as the engine sees it, and the events it streams back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+FINISH_LENGTH = "length"
+FINISH_EOS = "eos_token"
+FINISH_STOP = "stop_sequence"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: what the engine needs to run one sequence."""
+
+    inputs: str
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int = 0
+    return_full_text: bool = False
+    best_of: int = 1
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """The request's parameters as the client sent them, for hooks and logs."""
+
+
+@dataclass
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob, "special": self.special}
+
+
+@dataclass
+class TokenEvent:
+    """One generated token; ``final`` is set on the sequence's last token."""
+
+    index: int
+    token: TokenInfo
+    top_tokens: list[TokenInfo]
+    final: FinalResult | None = None
+
+
+@dataclass
+class FinalResult:
+    generated_text: str
+    finish_reason: str
+    tokens: list[TokenInfo]
+    top_tokens: list[list[TokenInfo]]
+    prefill: list[TokenInfo]
+    seed: int | None
+    input_length: int
+    queue_seconds: float
+    inference_seconds: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
+
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    error_type: str = "generation"
+
+
+Event = TokenEvent | ErrorEvent
+EventSink = Callable[[Event], None]
+
+_ids = itertools.count(1)
+
+
+class Sequence:
+    """One generation in flight: its tokens, sampling state and output channel."""
+
+    def __init__(self, request: GenerationRequest, sink: EventSink, seed: int | None) -> None:
+        self.id = next(_ids)
+        self.request = request
+        self.sink = sink
+        self.seed = seed
+        self.prompt_ids: list[int] = list(request.input_ids)
+        self.generated_ids: list[int] = []
+        self.tokens: list[TokenInfo] = []
+        self.top_tokens: list[list[TokenInfo]] = []
+        self.prefill_tokens: list[TokenInfo] = []
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.arrived_at = time.monotonic()
+        self.admitted_at: float | None = None
+        self.state: Any = None
+        """Per-sequence sampling state, owned by the sampler."""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate: what it can occupy in the batch."""
+        return self.prompt_len + self.request.max_new_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.generated_ids[-1] if self.generated_ids else self.prompt_ids[-1]
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id}, prompt={self.prompt_len}, generated={len(self.generated_ids)})"

@@ -1,0 +1,497 @@
+"""The Falcon ASGI app: TGI's HTTP routes over the engine.
+
+Handlers validate, hand the request to the engine, and relay its events. The
+engine thread pushes events into a per-request asyncio queue through
+``call_soon_threadsafe``; a client that disconnects is noticed from the ASGI
+``http.disconnect`` message and its sequence is cancelled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import falcon
+import falcon.asgi
+import pluggy
+
+from tokenmill import __version__
+from tokenmill.config import Config
+from tokenmill.engine import Engine, eos_token_ids
+from tokenmill.interfaces import BatchLimits
+from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
+from tokenmill.plugins import build_plugin_manager, choose
+from tokenmill.sequence import ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.validation import ValidationError, parse_body, validate_generate
+
+log = logging.getLogger(__name__)
+
+DISCONNECTED = object()
+
+
+class ApiError(Exception):
+    """An error answered with TGI's ``{"error", "error_type"}`` body."""
+
+    def __init__(self, status: int, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.message, "error_type": self.error_type}
+
+
+class ServerState:
+    """Everything the routes share: config, plugins, the loaded model and the engine."""
+
+    def __init__(self, config: Config, pm: pluggy.PluginManager) -> None:
+        self.config = config
+        self.pm = pm
+        self.stages = Stages(observer=lambda stage, seconds, detail: pm.hook.tokenmill_load_stage(
+            stage=stage, seconds=seconds, detail=detail))
+        self.loaded: LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.in_flight = 0
+
+    # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
+
+    def load(self) -> None:
+        config = self.config
+        attention = choose(self.pm, "attention", config.attention)
+        backend = choose(self.pm, "backend", config.backend)
+        scheduler = choose(self.pm, "scheduler", config.scheduler)
+        kv_allocator = choose(self.pm, "kv_allocator", config.kv_allocator)
+        loaded = load_model(config.model_id, config.revision, config.dtype, attention.transformers_name,
+                            config.trust_remote_code, self.stages)
+        model_config = loaded.model.config
+        config.resolve_limits(getattr(model_config, "max_position_embeddings", None))
+        kv_store = kv_allocator.create(model_config, loaded.dtype, loaded.device)
+        runner = backend.create(loaded.model, kv_store)
+        assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
+        queue = scheduler.create(BatchLimits(
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            max_batch_total_tokens=config.max_batch_total_tokens,
+            max_batch_size=config.max_batch_size,
+            max_waiting_tokens=config.max_waiting_tokens,
+            waiting_served_ratio=config.waiting_served_ratio,
+        ))
+        engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), self.pm)
+        self.stages.run("warm-up", engine.warmup)
+        self.loaded = loaded
+        engine.start()
+        self.engine = engine
+        log.info("ready: %s on %s (%s backend)", loaded.model_id, loaded.device, backend.name)
+
+    def load_or_exit(self) -> None:
+        try:
+            self.load()
+        except Exception as error:  # noqa: BLE001 - report one line, then stop the process
+            self.load_error = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
+            log.error("startup failed: %s", self.load_error)
+            logging.shutdown()
+            os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
+
+    def ready_engine(self) -> Engine:
+        if self.engine is None:
+            stage = self.stages.current or "starting"
+            raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
+        return self.engine
+
+    # ---- admission ---------------------------------------------------------------------
+
+    def take_slot(self) -> None:
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise ApiError(429, "Model is overloaded", "overloaded")
+        self.in_flight += 1
+
+    def give_slot(self) -> None:
+        self.in_flight -= 1
+
+
+# ---- request plumbing ------------------------------------------------------------------
+
+
+class Channel:
+    """The thread-safe hand-off of one sequence's events from the engine to the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def sink(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def disconnected(self) -> None:
+        self.queue.put_nowait(DISCONNECTED)
+
+
+async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
+    if req.content_length is not None and req.content_length > limit:
+        raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
+    raw = await req.stream.read(limit + 1)
+    if len(raw) > limit:
+        raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as error:
+        raise ApiError(422, f"the request body is not valid JSON: {error}", "validation") from None
+
+
+def on_disconnect(req: falcon.asgi.Request, callback: Callable[[], None]) -> None:
+    req.scope["tokenmill.on_disconnect"].append(callback)
+
+
+def cancel_on_disconnect(engine: Engine, seq: Sequence, channel: Channel) -> Callable[[], None]:
+    def cancel() -> None:
+        engine.cancel(seq)
+        channel.disconnected()
+
+    return cancel
+
+
+async def watch_receive(req: falcon.asgi.Request) -> None:
+    """Read the ASGI channel after the body so that a client that leaves is noticed."""
+    receive = req.scope["tokenmill.receive"]
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class DisconnectWatch:
+    """ASGI wrapper: tells registered callbacks the moment ``http.disconnect`` arrives."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        callbacks: list[Callable[[], None]] = []
+
+        async def watched_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                for callback in callbacks:
+                    callback()
+                callbacks.clear()
+            return message
+
+        scope["tokenmill.on_disconnect"] = callbacks
+        scope["tokenmill.receive"] = watched_receive
+        await self.app(scope, watched_receive, send)
+
+
+# ---- JSON shapes (TGI's) --------------------------------------------------------------
+
+
+def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "finish_reason": result.finish_reason,
+        "generated_tokens": result.generated_tokens,
+        "seed": result.seed,
+        "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in result.prefill],
+        "tokens": [t.as_json() for t in result.tokens],
+    }
+    if with_top:
+        body["top_tokens"] = [[t.as_json() for t in step] for step in result.top_tokens]
+    return body
+
+
+def timing_headers(resp: falcon.asgi.Response, result: FinalResult, started: float, validated: float) -> None:
+    total = time.monotonic() - started
+    per_token = result.inference_seconds / max(result.generated_tokens, 1)
+    resp.set_headers({
+        "x-compute-type": "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES") in (None, "") else "gpu",
+        "x-compute-time": f"{total:.6f}",
+        "x-compute-characters": str(len(result.generated_text)),
+        "x-total-time": str(int(total * 1000)),
+        "x-validation-time": str(int((validated - started) * 1000)),
+        "x-queue-time": str(int(result.queue_seconds * 1000)),
+        "x-inference-time": str(int(result.inference_seconds * 1000)),
+        "x-time-per-token": str(int(per_token * 1000)),
+        "x-prompt-tokens": str(result.input_length),
+        "x-generated-tokens": str(result.generated_tokens),
+    })
+
+
+# ---- routes ----------------------------------------------------------------------------
+
+
+class Generation:
+    """Runs validated requests through the engine for the generate routes."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def prepare(self, req: falcon.asgi.Request, stream: bool | None) -> tuple[GenerationRequest, bool, float]:
+        self.state.ready_engine()
+        body = await read_json(req, self.state.config.payload_limit)
+        if stream is None:
+            stream = bool(isinstance(body, dict) and body.get("stream"))
+        try:
+            inputs, params = parse_body(body)
+            assert self.state.loaded is not None
+            request = validate_generate(inputs, params, self.state.loaded.tokenizer, self.state.config, stream)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
+        return request, stream, time.monotonic()
+
+    async def run_to_end(self, req: falcon.asgi.Request, request: GenerationRequest) -> list[FinalResult]:
+        """Run ``best_of`` sequences to their end; cancel them if the client leaves."""
+        engine = self.state.ready_engine()
+        channels = [Channel() for _ in range(request.best_of)]
+        seqs = [engine.submit(request, channel.sink) for channel in channels]
+        for seq, channel in zip(seqs, channels):
+            on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
+        watcher = asyncio.create_task(watch_receive(req))
+        try:
+            results = await asyncio.gather(*(self.wait_final(engine, seq, ch) for seq, ch in zip(seqs, channels)))
+        finally:
+            watcher.cancel()
+        return list(results)
+
+    async def wait_final(self, engine: Engine, seq: Sequence, channel: Channel) -> FinalResult:
+        while True:
+            event = await channel.queue.get()
+            if event is DISCONNECTED:
+                raise ApiError(499, "client disconnected", "cancelled")
+            if isinstance(event, ErrorEvent):
+                raise ApiError(424 if event.error_type == "generation" else 503, event.message, event.error_type)
+            if event.final is not None:
+                return event.final
+
+    def started(self, request: GenerationRequest) -> None:
+        self.state.pm.hook.tokenmill_request_started(
+            request_id=id(request), inputs=request.inputs, parameters=request.parameters)
+
+    def finished(self, request: GenerationRequest, result: FinalResult | None, error: str | None) -> None:
+        self.state.pm.hook.tokenmill_request_finished(
+            request_id=id(request),
+            finish_reason=result.finish_reason if result else None,
+            generated_tokens=result.generated_tokens if result else 0,
+            error=error,
+        )
+
+    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                           request: GenerationRequest, started: float, validated: float, as_list: bool) -> None:
+        self.state.take_slot()
+        self.started(request)
+        try:
+            results = await self.run_to_end(req, request)
+        except ApiError as error:
+            self.finished(request, None, error.message)
+            raise
+        finally:
+            self.state.give_slot()
+        best = max(results, key=lambda r: r.logprob_sum())
+        self.finished(request, best, None)
+        body: dict[str, Any] = {"generated_text": best.generated_text}
+        if request.details:
+            body["details"] = details_json(best, request.top_n_tokens > 0)
+            if request.best_of > 1:
+                body["details"]["best_of_sequences"] = [
+                    {"generated_text": r.generated_text, **details_json(r, request.top_n_tokens > 0)}
+                    for r in results if r is not best
+                ]
+        timing_headers(resp, best, started, validated)
+        resp.media = [body] if as_list else body
+
+    async def respond_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                             request: GenerationRequest) -> None:
+        engine = self.state.ready_engine()
+        self.state.take_slot()
+        self.started(request)
+        channel = Channel()
+        seq = engine.submit(request, channel.sink)
+        on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.sse = self.events(engine, seq, channel, request)
+
+    async def events(self, engine: Engine, seq: Sequence, channel: Channel,
+                     request: GenerationRequest) -> AsyncIterator[falcon.asgi.SSEvent]:
+        result: FinalResult | None = None
+        error: str | None = None
+        try:
+            while True:
+                event = await channel.queue.get()
+                if event is DISCONNECTED:
+                    error = "client disconnected"
+                    return
+                if isinstance(event, ErrorEvent):
+                    error = event.message
+                    yield falcon.asgi.SSEvent(json={"error": event.message, "error_type": event.error_type})
+                    return
+                yield falcon.asgi.SSEvent(json=self.stream_json(event, request))
+                if event.final is not None:
+                    result = event.final
+                    return
+        finally:
+            if result is None and error is None:  # the response was abandoned mid-way
+                engine.cancel(seq)
+                error = "client disconnected"
+            self.state.give_slot()
+            self.finished(request, result, error)
+
+    @staticmethod
+    def stream_json(event: TokenEvent, request: GenerationRequest) -> dict[str, Any]:
+        final = event.final
+        details = None
+        if final is not None and request.details:
+            details = {
+                "finish_reason": final.finish_reason,
+                "generated_tokens": final.generated_tokens,
+                "seed": final.seed,
+                "input_length": final.input_length,
+            }
+        return {
+            "index": event.index,
+            "token": event.token.as_json(),
+            "top_tokens": [t.as_json() for t in event.top_tokens],
+            "generated_text": final.generated_text if final is not None else None,
+            "details": details,
+        }
+
+
+class GenerateRoute:
+    def __init__(self, generation: Generation, stream: bool | None) -> None:
+        self.generation = generation
+        self.stream = stream
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        started = time.monotonic()
+        request, stream, validated = await self.generation.prepare(req, self.stream)
+        if stream:
+            await self.generation.respond_stream(req, resp, request)
+        else:
+            await self.generation.respond_json(req, resp, request, started, validated, as_list=self.stream is None)
+
+
+class TokenizeRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        self.state.ready_engine()
+        body = await read_json(req, self.state.config.payload_limit)
+        try:
+            inputs, _ = parse_body(body)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
+        assert self.state.loaded is not None
+        tokenizer = self.state.loaded.tokenizer
+        if not getattr(tokenizer, "is_fast", False):
+            raise ApiError(404, "No fast tokenizer available", "tokenizer")
+        encoding = tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True)
+        resp.media = [
+            {"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+        ]
+
+
+class HealthRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        self.state.ready_engine()
+        resp.status = falcon.HTTP_200
+        resp.text = ""
+
+
+class InfoRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        state, config = self.state, self.state.config
+        loaded = state.loaded
+        resp.media = {
+            "model_id": loaded.model_id if loaded else config.model_id,
+            "model_sha": None,
+            "model_dtype": str(loaded.dtype).replace("torch.", "") if loaded else config.dtype,
+            "model_device_type": loaded.device.type if loaded else None,
+            "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_best_of": config.max_best_of,
+            "max_stop_sequences": config.max_stop_sequences,
+            "max_input_tokens": config.max_input_tokens,
+            "max_total_tokens": config.max_total_tokens,
+            "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
+            "max_batch_total_tokens": config.max_batch_total_tokens,
+            "max_batch_size": config.max_batch_size,
+            "max_top_n_tokens": config.max_top_n_tokens,
+            "validation_workers": 1,
+            "max_client_batch_size": 1,
+            "router": "tokenmill",
+            "version": __version__,
+            "sha": None,
+            "docker_label": os.environ.get("DOCKER_LABEL"),
+            "backend": config.backend,
+            "attention": config.attention,
+            "scheduler": config.scheduler,
+            "kv_allocator": config.kv_allocator,
+            "ready": state.engine is not None,
+            "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
+            "load_stages": state.stages.done,
+            "queue_size": state.engine.queue_size if state.engine else 0,
+            "batch_size": state.engine.batch_size if state.engine else 0,
+        }
+
+
+async def handle_api_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: ApiError, params: Any) -> None:
+    resp.status = falcon.code_to_http_status(error.status) if error.status != 499 else "499 Client Closed Request"
+    resp.media = error.body()
+
+
+async def handle_unexpected(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception, params: Any) -> None:
+    if isinstance(error, falcon.HTTPError):
+        resp.status = error.status
+        resp.media = {"error": error.title or str(error.status), "error_type": "http"}
+        return
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    resp.status = falcon.HTTP_500
+    resp.media = {"error": f"internal error: {type(error).__name__}", "error_type": "internal"}
+
+
+class Lifespan:
+    """Falcon lifespan middleware: load in a thread at start-up, stop the engine at shutdown."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def process_startup(self, scope: Any, event: Any) -> None:
+        threading.Thread(target=self.state.load_or_exit, name="tokenmill-loader", daemon=True).start()
+
+    async def process_shutdown(self, scope: Any, event: Any) -> None:
+        if self.state.engine is not None:
+            self.state.engine.stop()
+
+
+def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> DisconnectWatch:
+    """The ASGI application for ``config``; the model loads when the server starts."""
+    pm = pm or build_plugin_manager()
+    state = ServerState(config, pm)
+    app = falcon.asgi.App(middleware=[Lifespan(state)])
+    generation = Generation(state)
+    app.add_route("/generate", GenerateRoute(generation, stream=False))
+    app.add_route("/generate_stream", GenerateRoute(generation, stream=True))
+    app.add_route("/", GenerateRoute(generation, stream=None))
+    app.add_route("/tokenize", TokenizeRoute(state))
+    app.add_route("/health", HealthRoute(state))
+    app.add_route("/info", InfoRoute(state))
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(ApiError, handle_api_error)
+    pm.hook.tokenmill_add_routes(app=app, engine=state)
+    wrapped = DisconnectWatch(app)
+    wrapped.state = state  # type: ignore[attr-defined]
+    return wrapped

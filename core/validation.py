@@ -1,0 +1,175 @@
+"""Request validation: TGI's parameter rules, each failure a 422 naming the parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.config import Config
+from tokenmill.sequence import GenerationRequest, SamplingParams
+
+_MISSING = object()
+
+
+class ValidationError(Exception):
+    """Invalid input: answered with 422 and ``error_type`` ``validation``."""
+
+
+def _number(params: dict[str, Any], name: str, kind: type) -> Any:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(f"`{name}` must be a number, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValidationError(f"`{name}` must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _flag(params: dict[str, Any], name: str, default: bool) -> bool:
+    value = params.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{name}` must be a boolean, got {value!r}")
+    return value
+
+
+def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
+    """The ``inputs`` string and ``parameters`` object of a TGI request body."""
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object with `inputs`")
+    inputs = body.get("inputs", _MISSING)
+    if inputs is _MISSING:
+        raise ValidationError("missing field `inputs`")
+    if not isinstance(inputs, str):
+        raise ValidationError("`inputs` must be a string")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise ValidationError("`parameters` must be an object")
+    return inputs, parameters
+
+
+def sampling_params(params: dict[str, Any]) -> SamplingParams:
+    temperature = _number(params, "temperature", float)
+    if temperature is not None and temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    repetition_penalty = _number(params, "repetition_penalty", float)
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    frequency_penalty = _number(params, "frequency_penalty", float)
+    if frequency_penalty is not None and not -2.0 <= frequency_penalty <= 2.0:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    top_p = _number(params, "top_p", float)
+    if top_p is not None and not 0.0 < top_p < 1.0:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    typical_p = _number(params, "typical_p", float)
+    if typical_p is not None and not 0.0 < typical_p < 1.0:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    top_k = _number(params, "top_k", int)
+    if top_k is not None and top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+    seed = _number(params, "seed", int)
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValidationError("`seed` must be >= 0 and < 2^64")
+    return SamplingParams(
+        do_sample=_flag(params, "do_sample", False),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=seed,
+    )
+
+
+def validate_generate(
+    inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool
+) -> GenerationRequest:
+    """A GenerationRequest for the engine, or ValidationError with TGI's message."""
+    assert config.max_input_tokens is not None and config.max_total_tokens is not None
+    sampling = sampling_params(params)
+
+    best_of = _number(params, "best_of", int)
+    if best_of is not None:
+        if not 0 < best_of <= config.max_best_of:
+            raise ValidationError(f"`best_of` must be > 0 and <= {config.max_best_of}. Given: {best_of}")
+        if best_of > 1:
+            if stream:
+                raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+            if not (sampling.do_sample or sampling.temperature or sampling.top_k or sampling.top_p or sampling.typical_p):
+                raise ValidationError("you must use sampling when `best_of` is > 1")
+            if sampling.seed is not None:
+                raise ValidationError("`seed` must not be set when `best_of` > 1")
+
+    stop = params.get("stop") or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError("`stop` must be a list of strings")
+    if len(stop) > config.max_stop_sequences:
+        raise ValidationError(
+            f"`stop` supports up to {config.max_stop_sequences} stop sequences. Given: {len(stop)}"
+        )
+    if any(s == "" for s in stop):
+        raise ValidationError("`stop` sequences cannot be empty strings")
+
+    top_n_tokens = _number(params, "top_n_tokens", int) or 0
+    if not 0 <= top_n_tokens <= config.max_top_n_tokens:
+        raise ValidationError(
+            f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top_n_tokens}"
+        )
+
+    decoder_input_details = _flag(params, "decoder_input_details", False)
+    if decoder_input_details and stream:
+        raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+
+    if _flag(params, "watermark", False):
+        raise ValidationError("`watermark` is not supported by this server yet")
+    if params.get("grammar") is not None:
+        raise ValidationError("`grammar` is not supported by this server yet")
+    if params.get("adapter_id") not in (None, ""):
+        raise ValidationError("`adapter_id`: this server serves no LoRA adapters")
+
+    if inputs == "":
+        raise ValidationError("`inputs` cannot be empty")
+    input_ids = list(tokenizer(inputs, add_special_tokens=True)["input_ids"])
+    if not input_ids:
+        raise ValidationError("`inputs` cannot be empty")
+
+    truncate = _number(params, "truncate", int)
+    if truncate is not None:
+        if not 0 < truncate <= config.max_input_tokens:
+            raise ValidationError(
+                f"`truncate` must be strictly positive and less than {config.max_input_tokens}. Given: {truncate}"
+            )
+        input_ids = input_ids[-truncate:]
+    if len(input_ids) > config.max_input_tokens:
+        raise ValidationError(
+            f"`inputs` tokens must be <= {config.max_input_tokens}. Given: {len(input_ids)}"
+        )
+
+    max_new_tokens = _number(params, "max_new_tokens", int)
+    if max_new_tokens is None:
+        max_new_tokens = config.max_total_tokens - len(input_ids)
+    elif max_new_tokens <= 0:
+        raise ValidationError("`max_new_tokens` must be strictly positive")
+    if len(input_ids) + max_new_tokens > config.max_total_tokens:
+        raise ValidationError(
+            f"`inputs` tokens + `max_new_tokens` must be <= {config.max_total_tokens}. "
+            f"Given: {len(input_ids)} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+        )
+
+    return GenerationRequest(
+        inputs=inputs,
+        input_ids=input_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop=tuple(stop),
+        details=_flag(params, "details", False),
+        decoder_input_details=decoder_input_details,
+        top_n_tokens=top_n_tokens,
+        return_full_text=_flag(params, "return_full_text", False),
+        best_of=best_of or 1,
+        parameters=dict(params),
+    )

@@ -1,0 +1,138 @@
+"""The ``transformers`` backend: the model's own forward and cache, in a left-padded batch.
+
+Rows are sequences. Newcomers are prefilled together as their own left-padded
+batch, then their cache is concatenated to the running one (the shorter side
+padded on the left). A decode step feeds every row its last token. Rows leave
+the step they finish; columns that became padding for all rows are trimmed.
+Works for any ``AutoModelForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import tokenmill
+from tokenmill.interfaces import Backend, BackendRunner, PaddedKVCache, PrefillOutput
+from tokenmill.sequence import Sequence
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+class TransformersRunner(BackendRunner):
+    def __init__(self, model: Any, kv: PaddedKVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = next(model.parameters()).device
+        self.rows: list[int] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None
+        pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes(self.cache)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], want_prompt_logits: list[bool]) -> PrefillOutput:
+        ids, mask = _left_padded([s.prompt_ids for s in seqs], self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = self.kv.new_cache(self.model.config)
+        keep_all = any(want_prompt_logits)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=_positions(mask),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if keep_all else 1,
+        )
+        logits = out.logits
+        prompt_logits: list[torch.Tensor | None] = []
+        for row, seq in enumerate(seqs):
+            wanted = want_prompt_logits[row]
+            prompt_logits.append(logits[row, -seq.prompt_len :].float().cpu() if wanted else None)
+        self._join(seqs, cache, mask)
+        return PrefillOutput(last_logits=logits[:, -1, :].float().cpu(), prompt_logits=prompt_logits)
+
+    def _join(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+        else:
+            assert self.mask is not None
+            old_len, new_len = self.mask.shape[1], mask.shape[1]
+            self.cache = self.kv.concat(self.cache, cache, old_len, new_len)
+            width = max(old_len, new_len)
+            self.mask = torch.cat(
+                [
+                    torch.nn.functional.pad(self.mask, (width - old_len, 0)),
+                    torch.nn.functional.pad(mask, (width - new_len, 0)),
+                ]
+            )
+        self.rows.extend(s.id for s in seqs)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        assert self.mask is not None and len(seqs) == len(self.rows)
+        by_id = {s.id: s for s in seqs}
+        last = torch.tensor([[by_id[row].last_token] for row in self.rows], dtype=torch.long, device=self.device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        positions = self.mask.sum(-1, keepdim=True) - 1
+        out = self.model(
+            input_ids=last,
+            attention_mask=self.mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :].float().cpu()
+        order = torch.tensor([self.rows.index(s.id) for s in seqs], dtype=torch.long)
+        return logits.index_select(0, order)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        leaving = {s.id for s in seqs}
+        keep = [row for row, seq_id in enumerate(self.rows) if seq_id not in leaving]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[row] for row in keep]
+        if not keep:
+            self.cache, self.mask = None, None
+            return
+        assert self.mask is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache = self.kv.select_rows(self.cache, index)
+        self.mask = self.mask.index_select(0, index)
+        padding_columns = int(self.mask.any(dim=0).long().argmax().item())
+        self.cache = self.kv.trim_left(self.cache, padding_columns)
+        self.mask = self.mask[:, padding_columns:]
+
+
+class TransformersBackend(Backend):
+    name = "transformers"
+    kv_layout = "padded"
+    description = "the model's own forward and cache in a left-padded batch (any AutoModelForCausalLM)"
+
+    def create(self, model: Any, kv_store: PaddedKVCache) -> BackendRunner:
+        return TransformersRunner(model, kv_store)
+
+
+@tokenmill.hookimpl
+def tokenmill_backends() -> list[Backend]:
+    return [TransformersBackend()]

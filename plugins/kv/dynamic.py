@@ -1,0 +1,74 @@
+"""The ``dynamic`` KV allocator: transformers' DynamicCache, grown per step, rows per sequence.
+
+Rows of a left-padded batch are sequences; joining a batch pads the shorter cache
+on the left and concatenates rows, leaving selects rows and trims columns that
+became padding for every remaining row, so memory is returned at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import tokenmill
+from tokenmill.interfaces import KVAllocator, PaddedKVCache
+
+
+def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """Pad ``[batch, heads, seq, dim]`` with ``columns`` zero positions at the start."""
+    return F.pad(tensor, (0, 0, columns, 0)) if columns else tensor
+
+
+class DynamicPaddedCache(PaddedKVCache):
+    def new_cache(self, model_config: Any) -> DynamicCache:
+        return DynamicCache(config=model_config)
+
+    def concat(self, first: DynamicCache, second: DynamicCache, first_len: int, second_len: int) -> DynamicCache:
+        width = max(first_len, second_len)
+        for mine, theirs in zip(first.layers, second.layers):
+            mine.keys = torch.cat(
+                [_pad_left(mine.keys, width - first_len), _pad_left(theirs.keys, width - second_len)]
+            )
+            mine.values = torch.cat(
+                [_pad_left(mine.values, width - first_len), _pad_left(theirs.values, width - second_len)]
+            )
+        return first
+
+    def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        return cache
+
+    def trim_left(self, cache: DynamicCache, columns: int) -> DynamicCache:
+        if columns:
+            for layer in cache.layers:
+                layer.keys = layer.keys[:, :, columns:, :]
+                layer.values = layer.values[:, :, columns:, :]
+        return cache
+
+    def nbytes(self, cache: DynamicCache | None) -> int:
+        if cache is None:
+            return 0
+        return sum(
+            layer.keys.nelement() * layer.keys.element_size() * 2
+            for layer in cache.layers
+            if getattr(layer, "keys", None) is not None
+        )
+
+
+class DynamicKVAllocator(KVAllocator):
+    name = "dynamic"
+    layout = "padded"
+    description = "transformers' DynamicCache in a left-padded batch (the HF cache)"
+
+    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device) -> PaddedKVCache:
+        return DynamicPaddedCache()
+
+
+@tokenmill.hookimpl
+def tokenmill_kv_allocators() -> list[KVAllocator]:
+    return [DynamicKVAllocator()]

@@ -1,0 +1,113 @@
+"""Shared fixtures: a tiny random Llama with the SmolLM2 tokenizer, and a real server on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+
+from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+
+
+def tiny_llama_config():  # the shape design.md §8 found to give varied greedy tokens
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        initializer_range=0.3, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny random LlamaForCausalLM with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    target = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    model.save_pretrained(target)
+    gguf = default_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path) -> None:
+        self.process = process
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                 ready_timeout: float = 300.0) -> RunningServer:
+    """Start ``tokenmill launch`` on a free loopback port and wait for /health."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
+    command = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = RunningServer(process, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not healthy after {ready_timeout}s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The real server (uvicorn) on the tiny model, with small limits that tests can reach."""
+    server = start_server(
+        ["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-input-tokens", "512",
+         "--max-total-tokens", "1024", "--max-concurrent-requests", "16"],
+        tmp_path_factory.mktemp("server"),
+    )
+    yield server
+    server.stop()
