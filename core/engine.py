@@ -142,15 +142,8 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     return
-                incoming, self._incoming = self._incoming, []
-                cancelled, self._cancelled = self._cancelled, {}
-            for seq in incoming:
-                if seq.id in cancelled or seq.cancelled:
-                    continue
-                self.queue.add(seq)
-            self._drop(cancelled)
             try:
-                self.step()
+                self.run_once()
             except Exception:  # noqa: BLE001 - the loop must survive anything a step raises
                 log.exception("engine step failed")
                 self._fail(self.running, "internal error in the engine step")
@@ -159,6 +152,17 @@ class Engine:
                 with self._wake:
                     if not (self._incoming or self._cancelled or self._stopping):
                         self._wake.wait(0.05)
+
+    def run_once(self) -> None:
+        """Take the requests and cancellations the HTTP side handed over, then run one step."""
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+            cancelled, self._cancelled = self._cancelled, {}
+        for seq in incoming:
+            if not seq.cancelled:
+                self.queue.add(seq)
+        self._drop(cancelled)
+        self.step()
 
     def _drop(self, cancelled: dict[int, Sequence]) -> None:
         if not cancelled:

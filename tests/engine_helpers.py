@@ -1,0 +1,58 @@
+"""Building an engine on a loaded model without the HTTP server, for engine-level tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+from tokenmill.engine import Engine, eos_token_ids
+from tokenmill.interfaces import BatchLimits
+from tokenmill.plugins import build_plugin_manager, choose
+from tokenmill.sequence import Event, GenerationRequest, SamplingParams, TokenEvent
+
+
+def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, **limits: Any) -> Engine:
+    pm = pm or build_plugin_manager(autoload=False)
+    backend = choose(pm, "backend", "transformers")
+    kv = choose(pm, "kv_allocator", "dynamic")
+    scheduler = choose(pm, "scheduler", "fifo")
+    batch_limits = BatchLimits(
+        max_batch_prefill_tokens=limits.get("max_batch_prefill_tokens", 4096),
+        max_batch_total_tokens=limits.get("max_batch_total_tokens", 65536),
+        max_batch_size=limits.get("max_batch_size"),
+        max_waiting_tokens=20,
+        waiting_served_ratio=0.3,
+    )
+    runner = backend.create(model, kv.create(model.config, model.dtype, model.device))
+    return Engine(runner, scheduler.create(batch_limits), tokenizer, eos_token_ids(model, tokenizer), pm)
+
+
+def greedy_request(tokenizer: Any, prompt: str, max_new_tokens: int, **extra: Any) -> GenerationRequest:
+    ids = tokenizer(prompt)["input_ids"]
+    return GenerationRequest(prompt, ids, max_new_tokens, extra.pop("sampling", SamplingParams()), **extra)
+
+
+class Collector:
+    """An event sink that keeps everything a sequence emitted."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [e.token.id for e in self.events if isinstance(e, TokenEvent)]
+
+    @property
+    def final(self):
+        for event in self.events:
+            if isinstance(event, TokenEvent) and event.final is not None:
+                return event.final
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None or any(not isinstance(e, TokenEvent) for e in self.events)

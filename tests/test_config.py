@@ -1,0 +1,79 @@
+"""Configuration: TGI's flags and defaults, environment variables, and one-line start-up errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.config import Config, ConfigError, parse_config
+
+
+def test_tgi_defaults():
+    config = parse_config([], env={})
+    assert (config.max_concurrent_requests, config.max_best_of, config.max_stop_sequences,
+            config.max_top_n_tokens, config.port, config.hostname) == (128, 2, 4, 5, 3000, "0.0.0.0")
+    assert (config.backend, config.attention, config.scheduler, config.kv_allocator) == (
+        "transformers", "sdpa", "fifo", "dynamic")
+
+
+def test_every_flag_reads_its_upper_snake_case_environment_variable():
+    env = {"MAX_TOTAL_TOKENS": "900", "MAX_INPUT_TOKENS": "800", "JSON_OUTPUT": "true", "MODEL_ID": "/models/x",
+           "MAX_BATCH_SIZE": "4", "BACKEND": "transformers", "PORT": "8080"}
+    config = parse_config([], env=env)
+    assert (config.max_total_tokens, config.max_input_tokens, config.json_output, config.model_id,
+            config.max_batch_size, config.port) == (900, 800, True, "/models/x", 4, 8080)
+
+
+def test_command_line_wins_over_the_environment():
+    assert parse_config(["--port", "9000"], env={"PORT": "8080"}).port == 9000
+
+
+def test_legacy_max_input_length_sets_max_input_tokens():
+    assert parse_config(["--max-input-length", "100"], env={}).max_input_tokens == 100
+    with pytest.raises(ConfigError, match="disagree"):
+        parse_config(["--max-input-length", "100", "--max-input-tokens", "200"], env={})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-input-tokens", "100", "--max-total-tokens", "100"], "--max-total-tokens (100) must be greater than --max-input-tokens (100)"),
+    (["--max-input-tokens", "100", "--max-batch-prefill-tokens", "50"], "--max-batch-prefill-tokens (50) must be >= --max-input-tokens (100)"),
+    (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"], "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
+    (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be > 0"),
+    (["--dtype", "int3"], "--dtype must be float16, bfloat16 or float32"),
+])
+def test_contradictions_fail(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(argv, env={})
+    assert message in str(error.value)
+
+
+def test_limits_follow_the_model_context_when_unset():
+    config = Config()
+    config.resolve_limits(model_max_positions=8192)
+    assert (config.max_total_tokens, config.max_input_tokens, config.max_batch_prefill_tokens) == (4096, 4095, 4145)
+    small = Config()
+    small.resolve_limits(model_max_positions=512)
+    assert (small.max_total_tokens, small.max_input_tokens) == (512, 511)
+    assert small.max_batch_total_tokens >= small.max_total_tokens
+
+
+def run_launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill", "launch", *args], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", **(env or {})})
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--max-input-tokens", "10", "--max-total-tokens", "5"], None, "must be greater than --max-input-tokens"),
+    (["--backend", "warp-drive"], None, "unknown --backend 'warp-drive' (choices: transformers)"),
+    (["--attention", "nope"], None, "unknown --attention 'nope' (choices: eager, sdpa)"),
+    (["--model-id", "/no/such/model"], None, "is not a local directory or .gguf file and is not in the local Hugging Face cache"),
+    ([], {"MAX_TOTAL_TOKENS": "lots"}, "MAX_TOTAL_TOKENS='lots' is not a valid int"),
+])
+def test_launch_fails_at_start_with_one_clear_line(args, env, expected):
+    result = run_launch(*args, env=env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,170 @@
+"""The engine loop: continuous batching gives model.generate()'s greedy tokens, and frees at once."""
+
+from __future__ import annotations
+
+import torch
+
+import tokenmill
+from tokenmill.plugins import build_plugin_manager
+from tokenmill.sequence import ErrorEvent, SamplingParams
+
+from engine_helpers import Collector, build_engine, greedy_request
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "In 1492, Columbus",
+    "def fibonacci(n):\n    return",
+    "Paris is the capital of",
+    "A",
+    "Once upon a time, in a land far far away, there lived a king who had three daughters",
+    "1, 2, 3, 4,",
+]
+
+
+def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=None)
+    return out[0, ids["input_ids"].shape[1]:].tolist()
+
+
+def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()  # random weights: run to max_new_tokens so every step is compared
+    lengths = [12, 20, 7, 16, 24, 9, 14, 18]
+    sinks = [Collector() for _ in PROMPTS]
+    for prompt, length, sink in zip(PROMPTS[:4], lengths, sinks):
+        engine.submit(greedy_request(tokenizer, prompt, length), sink)
+    for _ in range(3):
+        engine.run_once()
+    assert engine.batch_size == 4
+    for prompt, length, sink in zip(PROMPTS[4:], lengths[4:], sinks[4:]):
+        engine.submit(greedy_request(tokenizer, prompt, length), sink)
+    batch_sizes = []
+    while not all(s.done for s in sinks):
+        engine.run_once()
+        batch_sizes.append(engine.batch_size)
+    assert max(batch_sizes) == 8, "the late requests joined the running batch"
+    assert engine.batch_size == 0 and engine.runner.kv_bytes() == 0
+    for prompt, length, sink in zip(PROMPTS, lengths, sinks):
+        assert sink.token_ids == reference_greedy(model, tokenizer, prompt, length), prompt
+        assert sink.final.finish_reason == "length"
+
+
+def test_finished_sequences_leave_the_batch_the_step_they_finish(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    short, long = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 2), short)
+    engine.submit(greedy_request(tokenizer, PROMPTS[6], 10), long)
+    engine.run_once()  # prefill (token 1) and decode (token 2): the short one is done
+    assert short.final is not None and engine.batch_size == 1
+    kv_with_one = engine.runner.kv_bytes()
+    while not long.done:
+        engine.run_once()
+    assert kv_with_one > 0 and engine.runner.kv_bytes() == 0
+
+
+def test_cancel_frees_the_sequence_at_the_next_step(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    kept, dropped = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 50), kept)
+    seq = engine.submit(greedy_request(tokenizer, PROMPTS[6], 50), dropped)
+    engine.run_once()
+    assert engine.batch_size == 2
+    before = engine.runner.kv_bytes()
+    engine.cancel(seq)
+    engine.run_once()
+    assert engine.batch_size == 1
+    assert engine.runner.kv_bytes() < before
+    assert len(dropped.token_ids) == 2 and len(kept.token_ids) == 3
+
+
+def test_a_failing_request_does_not_break_the_others(tiny_model):
+    model, tokenizer = tiny_model
+
+    class ExplodingProcessor:
+        @tokenmill.hookimpl
+        def tokenmill_logits_processors(self, parameters):
+            if parameters.get("explode"):
+                def explode(token_ids, scores):
+                    if len(token_ids) > 4:
+                        raise RuntimeError("boom")
+                    return scores
+                return [explode]
+            return []
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(ExplodingProcessor())
+    engine = build_engine(model, tokenizer, pm=pm)
+    engine.eos_ids = set()
+    good, bad = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 8), good)
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 8, parameters={"explode": True}), bad)
+    while not (good.done and bad.done):
+        engine.run_once()
+    assert any(isinstance(e, ErrorEvent) and "boom" in e.message for e in bad.events)
+    assert good.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 8)
+
+
+def test_same_seed_gives_the_same_sampled_tokens(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)
+    runs = []
+    for _ in range(2):
+        sink = Collector()
+        engine.submit(greedy_request(tokenizer, PROMPTS[2], 12, sampling=params), sink)
+        while not sink.done:
+            engine.run_once()
+        runs.append(sink.token_ids)
+        assert sink.final.seed == 1234
+    assert runs[0] == runs[1]
+    other = Collector()
+    engine.submit(
+        greedy_request(tokenizer, PROMPTS[2], 12, sampling=SamplingParams(do_sample=True, seed=99)), other)
+    while not other.done:
+        engine.run_once()
+    assert other.token_ids != runs[0]
+
+
+def test_stop_sequence_ends_generation_and_is_kept_in_the_text(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    probe = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[3], 10), probe)
+    while not probe.done:
+        engine.run_once()
+    full_text = probe.final.generated_text
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    assert stop.strip(), full_text
+    sink = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[3], 10, stop=(stop,)), sink)
+    while not sink.done:
+        engine.run_once()
+    assert sink.final.finish_reason == "stop_sequence"
+    assert stop in sink.final.generated_text
+    assert full_text.startswith(sink.final.generated_text)
+    assert len(sink.token_ids) < 10
+
+
+def test_prompt_logprobs_match_the_model(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    sink = Collector()
+    request = greedy_request(tokenizer, PROMPTS[1], 1, decoder_input_details=True)
+    engine.submit(request, sink)
+    while not sink.done:
+        engine.run_once()
+    prefill = sink.final.prefill
+    assert [t.id for t in prefill] == request.input_ids and prefill[0].logprob is None
+    with torch.no_grad():
+        logits = model(torch.tensor([request.input_ids])).logits[0]
+    expected = torch.log_softmax(logits, -1)[range(len(request.input_ids) - 1), request.input_ids[1:]]
+    assert torch.allclose(torch.tensor([t.logprob for t in prefill[1:]]), expected, atol=1e-4)

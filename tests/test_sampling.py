@@ -1,0 +1,88 @@
+"""Sampling and detokenization: each logits rule does what TGI's does."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.sampling import SequenceSampler, uses_sampling, warp
+from tokenmill.sequence import SamplingParams
+
+LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+
+
+def kept(scores: torch.Tensor) -> list[int]:
+    return [i for i, v in enumerate(scores.tolist()) if math.isfinite(v)]
+
+
+def test_warpers_imply_sampling_as_in_tgi():
+    assert not uses_sampling(SamplingParams())
+    assert not uses_sampling(SamplingParams(temperature=1.0))
+    assert uses_sampling(SamplingParams(temperature=0.5))
+    assert uses_sampling(SamplingParams(top_k=3))
+    assert uses_sampling(SamplingParams(do_sample=True))
+
+
+def test_top_k_keeps_the_k_best():
+    assert kept(warp(LOGITS, SamplingParams(top_k=2))) == [0, 1]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = LOGITS.softmax(-1)
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert kept(warp(LOGITS, SamplingParams(top_p=0.7))) == [0, 1]
+    assert kept(warp(LOGITS, SamplingParams(top_p=0.01))) == [0]
+
+
+def test_typical_p_keeps_tokens_closest_to_the_entropy():
+    flat = torch.zeros(6)
+    assert len(kept(warp(flat, SamplingParams(typical_p=0.4)))) == 3
+
+
+def test_temperature_sharpens_the_distribution():
+    cold = warp(LOGITS, SamplingParams(temperature=0.5)).softmax(-1)
+    assert cold[0] > LOGITS.softmax(-1)[0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    sampler = SequenceSampler(SamplingParams(repetition_penalty=2.0), None, [], 0)
+    scores = sampler.process([0, 5], LOGITS)
+    assert scores[0] == 2.0 and scores[5] == -2.0 and scores[1] == 3.0
+
+
+def test_frequency_penalty_subtracts_per_occurrence():
+    sampler = SequenceSampler(SamplingParams(frequency_penalty=0.5), None, [], 0)
+    scores = sampler.process([1, 1, 2], LOGITS)
+    assert scores[1] == 2.0 and scores[2] == 1.5 and scores[0] == 4.0
+
+
+def test_greedy_picks_the_argmax_with_its_logprob_and_top_tokens():
+    choice = SequenceSampler(SamplingParams(), None, [], 3).choose([], LOGITS)
+    assert choice.token_id == 0
+    assert math.isclose(choice.logprob, float(LOGITS.log_softmax(-1)[0]), rel_tol=1e-6)
+    assert [i for i, _ in choice.top] == [0, 1, 2]
+
+
+def test_same_seed_same_samples_and_another_seed_differs():
+    params = SamplingParams(do_sample=True)
+
+    def draws(seed: int) -> list[int]:
+        sampler = SequenceSampler(params, seed, [], 0)
+        return [sampler.choose([], torch.zeros(1000)).token_id for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(tiny_model):
+    _, tokenizer = tiny_model
+    text = "naïve café 日本語のテキスト 🚀🎉 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.finish())
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert any(piece == "" for piece in pieces), "some tokens end inside a character and wait"

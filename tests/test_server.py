@@ -1,0 +1,332 @@
+"""The HTTP API over a real server on loopback: TGI's routes, shapes, errors and concurrency."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from conftest import start_server
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "In 1492, Columbus",
+    "def fibonacci(n):\n    return",
+    "Paris is the capital of",
+    "A",
+    "Once upon a time, in a land far far away, there lived a king who had three daughters",
+    "1, 2, 3, 4,",
+]
+
+
+def reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=2)
+    return out[0, ids["input_ids"].shape[1]:].tolist()
+
+
+def generate(client: httpx.Client, prompt: str, **parameters) -> httpx.Response:
+    return client.post("/generate", json={"inputs": prompt, "parameters": parameters})
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_greedy_output_equals_model_generate(tiny_server, tiny_model):
+    model, tokenizer = tiny_model
+    with tiny_server.client() as client:
+        body = generate(client, PROMPTS[1], max_new_tokens=20, details=True).json()
+    ids = [t["id"] for t in body["details"]["tokens"]]
+    assert ids == reference(model, tokenizer, PROMPTS[1], 20)
+    assert body["generated_text"] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_eight_concurrent_requests_of_different_lengths_equal_model_generate(tiny_server, tiny_model):
+    model, tokenizer = tiny_model
+    lengths = [40, 25, 60, 33, 50, 20, 45, 30]
+
+    def one(index: int) -> list[int]:
+        time.sleep(0.03 * (index % 4) + (0.15 if index >= 4 else 0))  # the second half joins mid-batch
+        with tiny_server.client() as client:
+            response = generate(client, PROMPTS[index], max_new_tokens=lengths[index], details=True)
+        assert response.status_code == 200, response.text
+        return [t["id"] for t in response.json()["details"]["tokens"]]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for prompt, length, ids in zip(PROMPTS, lengths, results):
+        assert ids == reference(model, tokenizer, prompt, length), prompt
+
+
+def test_details_shape_follows_tgi(tiny_server):
+    with tiny_server.client() as client:
+        response = generate(client, PROMPTS[2], max_new_tokens=5, details=True, decoder_input_details=True,
+                            top_n_tokens=3)
+    body = response.json()
+    details = body["details"]
+    assert set(details) >= {"finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens"}
+    assert details["finish_reason"] == "length" and details["generated_tokens"] == 5 and details["seed"] is None
+    assert details["prefill"][0]["logprob"] is None and all(p["logprob"] < 0 for p in details["prefill"][1:])
+    assert all(set(t) == {"id", "text", "logprob", "special"} for t in details["tokens"])
+    assert len(details["top_tokens"]) == 5 and all(len(step) == 3 for step in details["top_tokens"])
+    assert details["top_tokens"][0][0]["id"] == details["tokens"][0]["id"]
+    assert "".join(t["text"] for t in details["tokens"]) == body["generated_text"]
+    for header in ("x-compute-time", "x-total-time", "x-validation-time", "x-queue-time", "x-inference-time",
+                   "x-time-per-token", "x-prompt-tokens", "x-generated-tokens"):
+        assert header in response.headers
+    assert response.headers["x-generated-tokens"] == "5"
+
+
+def test_without_details_only_the_text_comes_back(tiny_server):
+    with tiny_server.client() as client:
+        assert set(generate(client, "Hi", max_new_tokens=3).json()) == {"generated_text"}
+
+
+def test_return_full_text_prepends_the_prompt(tiny_server):
+    with tiny_server.client() as client:
+        plain = generate(client, PROMPTS[4], max_new_tokens=4).json()["generated_text"]
+        full = generate(client, PROMPTS[4], max_new_tokens=4, return_full_text=True).json()["generated_text"]
+    assert full == PROMPTS[4] + plain
+
+
+def test_truncate_keeps_the_last_tokens(tiny_server, tiny_model):
+    _, tokenizer = tiny_model
+    with tiny_server.client() as client:
+        body = generate(client, PROMPTS[6], max_new_tokens=2, truncate=3, details=True,
+                        decoder_input_details=True).json()
+    assert [p["id"] for p in body["details"]["prefill"]] == tokenizer(PROMPTS[6])["input_ids"][-3:]
+
+
+def test_sampling_with_a_seed_is_reproducible_and_reports_the_seed(tiny_server):
+    params = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_p=0.9, top_k=40, typical_p=0.95,
+                  repetition_penalty=1.1, frequency_penalty=0.2, seed=42, details=True)
+    with tiny_server.client() as client:
+        first, second = (generate(client, PROMPTS[2], **params).json() for _ in range(2))
+    assert first["generated_text"] == second["generated_text"]
+    assert first["details"]["seed"] == 42
+
+
+def test_best_of_returns_the_most_likely_sequence_and_the_others(tiny_server):
+    with tiny_server.client() as client:
+        body = generate(client, PROMPTS[0], max_new_tokens=6, best_of=2, do_sample=True, details=True).json()
+    details = body["details"]
+    others = details["best_of_sequences"]
+    assert len(others) == 1
+    best_sum = sum(t["logprob"] for t in details["tokens"])
+    assert best_sum >= sum(t["logprob"] for t in others[0]["tokens"])
+
+
+def test_stream_events_parse_and_concatenate_to_the_final_text(tiny_server):
+    with tiny_server.client() as client:
+        with client.stream("POST", "/generate_stream",
+                           json={"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 12, "details": True}}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+        non_stream = generate(client, PROMPTS[3], max_new_tokens=12).json()["generated_text"]
+    assert [e["index"] for e in events] == list(range(1, 13))
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    final = events[-1]
+    assert final["details"]["finish_reason"] == "length" and final["details"]["generated_tokens"] == 12
+    assert final["details"]["input_length"] > 0
+    text = "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+    assert text == final["generated_text"] == non_stream
+
+
+def test_compat_route_dispatches_on_stream(tiny_server):
+    with tiny_server.client() as client:
+        listed = client.post("/", json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}).json()
+        assert isinstance(listed, list) and set(listed[0]) == {"generated_text"}
+        with client.stream("POST", "/", json={"inputs": "Hi", "stream": True,
+                                              "parameters": {"max_new_tokens": 3}}) as r:
+            assert len(sse_events(r)) == 3
+
+
+def test_tokenize_returns_ids_and_offsets(tiny_server, tiny_model):
+    _, tokenizer = tiny_model
+    with tiny_server.client() as client:
+        tokens = client.post("/tokenize", json={"inputs": "Hello world"}).json()
+    assert [t["id"] for t in tokens] == tokenizer("Hello world")["input_ids"]
+    assert "".join(t["text"] for t in tokens) == "Hello world"
+    assert tokens[1]["start"] == 5 and tokens[1]["stop"] == 11
+
+
+def test_health_and_info(tiny_server):
+    with tiny_server.client() as client:
+        assert client.get("/health").status_code == 200
+        info = client.get("/info").json()
+    assert info["max_input_tokens"] == 512 and info["max_total_tokens"] == 1024
+    assert info["router"] == "tokenmill" and info["backend"] == "transformers" and info["model_dtype"] == "float32"
+    assert [s["stage"] for s in info["load_stages"]] == ["resolving", "loading weights", "warm-up"]
+    assert all(s["seconds"] >= 0 for s in info["load_stages"])
+
+
+INVALID = [
+    ({"temperature": 0}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.0}, "top_p"),
+    ({"typical_p": 1.5}, "typical_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 5000}, "max_new_tokens"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"top_n_tokens": 6}, "top_n_tokens"),
+    ({"best_of": 3, "do_sample": True}, "best_of"),
+    ({"best_of": 2}, "best_of"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "seed"),
+    ({"truncate": 0}, "truncate"),
+    ({"truncate": 100000}, "truncate"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"watermark": True}, "watermark"),
+    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar"),
+]
+
+
+@pytest.mark.parametrize("parameters, named", INVALID)
+def test_invalid_parameters_are_422_naming_the_parameter(tiny_server, parameters, named):
+    with tiny_server.client() as client:
+        response = generate(client, "Hello", **parameters)
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["error_type"] == "validation" and f"`{named}`" in body["error"]
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"inputs": ""}, "inputs"),
+    ({"parameters": {}}, "inputs"),
+    ({"inputs": 42}, "inputs"),
+    ({"inputs": "word " * 600, "parameters": {"max_new_tokens": 1}}, "inputs"),
+    ({"inputs": "Hi", "parameters": "fast"}, "parameters"),
+])
+def test_invalid_bodies_are_422(tiny_server, body, named):
+    with tiny_server.client() as client:
+        response = client.post("/generate", json=body)
+    assert response.status_code == 422 and named in response.json()["error"]
+
+
+def test_stream_only_rules_are_422(tiny_server):
+    with tiny_server.client() as client:
+        for params, named in (({"decoder_input_details": True}, "decoder_input_details"),
+                              ({"best_of": 2, "do_sample": True}, "best_of")):
+            response = client.post("/generate_stream", json={"inputs": "Hi", "parameters": params})
+            assert response.status_code == 422 and named in response.json()["error"]
+
+
+def test_malformed_json_is_422_and_oversized_body_is_413(tiny_server):
+    with tiny_server.client() as client:
+        bad = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+        huge = client.post("/generate", json={"inputs": "x" * 2_100_000})
+        assert huge.status_code == 413
+        assert generate(client, "Still fine", max_new_tokens=2).status_code == 200
+
+
+def batch_size(client: httpx.Client) -> int:
+    return client.get("/info").json()["batch_size"]
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_batch(tiny_server):
+    with tiny_server.client() as watcher:
+        client = tiny_server.client()
+        with client.stream("POST", "/generate_stream",
+                           json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 500}}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data:") and json.loads(line[5:])["index"] >= 3:
+                    break
+            assert batch_size(watcher) == 1
+        client.close()
+        deadline = time.monotonic() + 5
+        while batch_size(watcher) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batch_size(watcher) == 0, "the cancelled sequence left the batch"
+        assert generate(watcher, "after", max_new_tokens=2).status_code == 200
+
+
+def test_a_client_that_disconnects_while_waiting_for_json_is_cancelled(tiny_server):
+    with tiny_server.client() as watcher:
+        def abandon():
+            try:
+                httpx.post(f"{tiny_server.url}/generate", timeout=0.5,
+                           json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 900}})
+            except httpx.TimeoutException:
+                pass
+        abandon()
+        deadline = time.monotonic() + 5
+        while batch_size(watcher) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batch_size(watcher) == 0
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir, tmp_path_factory):
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn",
+                           "--max-concurrent-requests", "2", "--max-total-tokens", "1024"],
+                          tmp_path_factory.mktemp("small"))
+    yield server
+    server.stop()
+
+
+def test_overload_is_429_and_slots_come_back(small_server):
+    clients = [small_server.client() for _ in range(2)]
+    streams, readers = [], []
+    try:
+        for client in clients:
+            stream = client.stream("POST", "/generate_stream",
+                                   json={"inputs": "Hold on", "parameters": {"max_new_tokens": 1000}})
+            readers.append(stream.__enter__().iter_lines())  # kept: dropping it closes the connection
+            streams.append(stream)
+            assert next(readers[-1]).startswith("data:")
+        with small_server.client() as client:
+            response = generate(client, "one too many", max_new_tokens=2)
+            assert response.status_code == 429
+            assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+    finally:
+        for stream in streams:
+            stream.__exit__(None, None, None)
+        for client in clients:
+            client.close()
+    with small_server.client() as client:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            response = generate(client, "room again", max_new_tokens=2)
+            if response.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert response.status_code == 200
+
+
+def test_gunicorn_serves_with_one_uvicorn_worker_and_stops_on_sigterm(tiny_model_dir, tmp_path):
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "gunicorn"], tmp_path,
+                          env={"MAX_TOTAL_TOKENS": "256"})
+    try:
+        with server.client() as client:
+            assert generate(client, "Hello", max_new_tokens=3).status_code == 200
+            assert client.get("/info").json()["max_total_tokens"] == 256
+        assert "uvicorn_worker" in server.log() or "UvicornWorker" in server.log() or "Booting worker" in server.log()
+    finally:
+        server.process.terminate()
+        assert server.process.wait(30) == 0
+
+
+def test_the_app_answers_503_until_the_model_is_ready():
+    import falcon.testing
+
+    from tokenmill.config import Config
+    from tokenmill.server import create_app
+
+    client = falcon.testing.TestClient(create_app(Config()))  # no lifespan start-up: nothing loads
+    health = client.simulate_get("/health")
+    assert health.status_code == 503 and health.json["error_type"] == "unhealthy"
+    assert client.simulate_post("/generate", json={"inputs": "Hi"}).status_code == 503
+    assert client.simulate_get("/info").json["ready"] is False
