@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -33,8 +34,6 @@ class Config:
     max_batch_prefill_tokens: int | None = None
     max_batch_total_tokens: int | None = None
     max_batch_size: int | None = None
-    max_waiting_tokens: int = 20
-    waiting_served_ratio: float = 0.3
     hostname: str = "0.0.0.0"
     port: int = 3000
     payload_limit: int = 2_000_000
@@ -63,7 +62,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
-        for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
+        for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if not 0 <= self.port <= 65535:
@@ -131,8 +130,6 @@ _HELP = {
     "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50)",
     "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
     "max_batch_size": "most sequences in the running batch (default: no limit)",
-    "max_waiting_tokens": "decode steps a waiting request may be kept out of the batch",
-    "waiting_served_ratio": "share of waiting to running requests that triggers a prefill",
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
@@ -154,6 +151,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         default = f.default
         kind = str(f.type)
         raw = env.get(env_name(f.name))
+        if f.name == "hostname" and raw == socket.gethostname():
+            raw = None  # containers and shells set HOSTNAME to the machine's name, not a bind address
         help_text = f"{_HELP.get(f.name, '')} [env {env_name(f.name)}]"
         if kind == "bool":
             value = _parse_bool(raw) if raw is not None else default

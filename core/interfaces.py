@@ -65,8 +65,6 @@ class BatchLimits:
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
     max_batch_size: int | None
-    max_waiting_tokens: int
-    waiting_served_ratio: float
 
 
 class SchedulerQueue(Protocol):

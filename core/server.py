@@ -79,8 +79,6 @@ class ServerState:
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_total_tokens=config.max_batch_total_tokens,
             max_batch_size=config.max_batch_size,
-            max_waiting_tokens=config.max_waiting_tokens,
-            waiting_served_ratio=config.waiting_served_ratio,
         ))
         engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), self.pm)
         self.stages.run("warm-up", engine.warmup)

@@ -21,8 +21,6 @@ def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = N
         max_batch_prefill_tokens=limits.get("max_batch_prefill_tokens", 4096),
         max_batch_total_tokens=limits.get("max_batch_total_tokens", 65536),
         max_batch_size=limits.get("max_batch_size"),
-        max_waiting_tokens=20,
-        waiting_served_ratio=0.3,
     )
     runner = backend.create(model, kv.create(model.config, model.dtype, model.device))
     return Engine(runner, scheduler.create(batch_limits), tokenizer, eos_token_ids(model, tokenizer), pm)

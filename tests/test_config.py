@@ -26,6 +26,13 @@ def test_every_flag_reads_its_upper_snake_case_environment_variable():
             config.max_batch_size, config.port) == (900, 800, True, "/models/x", 4, 8080)
 
 
+def test_hostname_set_to_the_machine_name_is_not_a_bind_address():
+    import socket
+
+    assert parse_config([], env={"HOSTNAME": socket.gethostname()}).hostname == "0.0.0.0"
+    assert parse_config([], env={"HOSTNAME": "127.0.0.1"}).hostname == "127.0.0.1"
+
+
 def test_command_line_wins_over_the_environment():
     assert parse_config(["--port", "9000"], env={"PORT": "8080"}).port == 9000
 

@@ -168,3 +168,44 @@ def test_prompt_logprobs_match_the_model(tiny_model):
         logits = model(torch.tensor([request.input_ids])).logits[0]
     expected = torch.log_softmax(logits, -1)[range(len(request.input_ids) - 1), request.input_ids[1:]]
     assert torch.allclose(torch.tensor([t.logprob for t in prefill[1:]]), expected, atol=1e-4)
+
+
+def run_until_done(engine, sinks) -> list[int]:
+    """Step until every sink is done; return the batch size after each step."""
+    sizes = []
+    while not all(s.done for s in sinks):
+        engine.run_once()
+        sizes.append(engine.batch_size)
+    return sizes
+
+
+def test_prefill_respects_max_batch_prefill_tokens(tiny_model):
+    model, tokenizer = tiny_model
+    prompt = PROMPTS[1]  # 9 tokens
+    assert len(tokenizer(prompt)["input_ids"]) == 9
+    engine = build_engine(model, tokenizer, max_batch_prefill_tokens=20)
+    engine.eos_ids = set()
+    sinks = [Collector() for _ in range(5)]
+    for sink in sinks:
+        engine.submit(greedy_request(tokenizer, prompt, 30), sink)
+    sizes = run_until_done(engine, sinks)
+    assert sizes[:3] == [2, 4, 5], "two 9-token prompts fit a 20-token prefill, so newcomers join two at a time"
+
+
+def test_the_batch_respects_max_batch_total_tokens_and_max_batch_size(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, max_batch_total_tokens=100)
+    engine.eos_ids = set()
+    sinks = [Collector() for _ in range(4)]
+    for sink in sinks:
+        engine.submit(greedy_request(tokenizer, PROMPTS[1], 30), sink)  # 9 + 30 = 39 tokens each
+    sizes = run_until_done(engine, sinks)
+    assert max(sizes) == 2 and sizes[-1] == 0, "only two 39-token sequences fit in 100"
+    assert all(len(s.token_ids) == 30 for s in sinks), "the others waited, then ran to the end"
+
+    engine = build_engine(model, tokenizer, max_batch_size=3)
+    engine.eos_ids = set()
+    sinks = [Collector() for _ in range(5)]
+    for sink in sinks:
+        engine.submit(greedy_request(tokenizer, PROMPTS[0], 5), sink)
+    assert max(run_until_done(engine, sinks)) == 3

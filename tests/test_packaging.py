@@ -1,0 +1,33 @@
+"""Packaging: a plain wheel, installed in a fresh venv that reuses the system torch, imports with its plugins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def run(*command: str, cwd: Path) -> str:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600,
+                            env={"PATH": "/usr/bin:/bin", "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_wheel_installs_in_a_fresh_venv_with_its_builtin_plugins(tmp_path):
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+        str(ROOT), cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("tokenmill-*.whl"))
+    run(sys.executable, "-m", "venv", "--system-site-packages", str(tmp_path / "venv"), cwd=tmp_path)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    run(python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel), cwd=tmp_path)
+    where = run(python, "-c", "import tokenmill, tokenmill_plugins; print(tokenmill.__file__)", cwd=tmp_path)
+    assert str(tmp_path / "venv") in where, "the wheel's tokenmill is the one imported"
+    listing = run(str(tmp_path / "venv" / "bin" / "tokenmill"), "plugins", cwd=tmp_path)
+    for name in ("transformers", "sdpa", "eager", "fifo", "dynamic"):
+        assert name in listing
