@@ -320,13 +320,19 @@ def test_gunicorn_serves_with_one_uvicorn_worker_and_stops_on_sigterm(tiny_model
 
 
 def test_the_app_answers_503_until_the_model_is_ready():
-    import falcon.testing
+    import asyncio
 
     from tokenmill.config import Config
     from tokenmill.server import create_app
 
-    client = falcon.testing.TestClient(create_app(Config()))  # no lifespan start-up: nothing loads
-    health = client.simulate_get("/health")
-    assert health.status_code == 503 and health.json["error_type"] == "unhealthy"
-    assert client.simulate_post("/generate", json={"inputs": "Hi"}).status_code == 503
-    assert client.simulate_get("/info").json["ready"] is False
+    async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        # httpx's ASGI transport sends no lifespan start-up, so the model never starts loading.
+        transport = httpx.ASGITransport(app=create_app(Config()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return (await client.get("/health"), await client.post("/generate", json={"inputs": "Hi"}),
+                    await client.get("/info"))
+
+    health, generate_response, info = asyncio.run(ask())
+    assert health.status_code == 503 and health.json()["error_type"] == "unhealthy"
+    assert generate_response.status_code == 503
+    assert info.json()["ready"] is False and info.json()["load_stage"] == "starting"
