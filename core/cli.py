@@ -2,39 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
 from tokenmill.loading import ModelLoadError, resolve
+from tokenmill.logs import setup_logging
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, list_all
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "timestamp": self.formatTime(record),
-            "level": record.levelname,
-            "target": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(json_output: bool) -> None:
-    handler = logging.StreamHandler()
-    if json_output:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
 
 
 def preflight(config: Config) -> None:

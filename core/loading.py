@@ -176,7 +176,9 @@ def load_model(
 ) -> LoadedModel:
     """Resolve, convert when needed, and load the model and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # progress bars are noise in a server's log
     stages = stages or Stages()
     display_id, path = stages.run("resolving", lambda: resolve(model_id, revision), detail=str(model_id or "default"))
     if path.suffix == ".gguf":

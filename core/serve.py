@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.config import Config
+from tokenmill.logs import gunicorn_logconfig
 from tokenmill.server import create_app
 
 
@@ -31,6 +32,7 @@ def _serve_gunicorn(config: Config) -> int:
                 "graceful_timeout": 30,
                 "accesslog": None,
                 "loglevel": "info",
+                "logconfig_dict": gunicorn_logconfig(config.json_output),
             }
             for key, value in options.items():
                 self.cfg.set(key, value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ def run(*command: str, cwd: Path) -> str:
 
 
 def test_wheel_installs_in_a_fresh_venv_with_its_builtin_plugins(tmp_path):
+    source = tmp_path / "source"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
-        str(ROOT), cwd=tmp_path)
+        str(source), cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("tokenmill-*.whl"))
     run(sys.executable, "-m", "venv", "--system-site-packages", str(tmp_path / "venv"), cwd=tmp_path)
     python = str(tmp_path / "venv" / "bin" / "python")

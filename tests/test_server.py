@@ -306,17 +306,20 @@ def test_overload_is_429_and_slots_come_back(small_server):
         assert response.status_code == 200
 
 
-def test_gunicorn_serves_with_one_uvicorn_worker_and_stops_on_sigterm(tiny_model_dir, tmp_path):
-    server = start_server(["--model-id", str(tiny_model_dir), "--server", "gunicorn"], tmp_path,
+def test_gunicorn_serves_with_one_uvicorn_worker_logs_json_and_stops_on_sigterm(tiny_model_dir, tmp_path):
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "gunicorn", "--json-output"], tmp_path,
                           env={"MAX_TOTAL_TOKENS": "256"})
     try:
         with server.client() as client:
             assert generate(client, "Hello", max_new_tokens=3).status_code == 200
             assert client.get("/info").json()["max_total_tokens"] == 256
-        assert "uvicorn_worker" in server.log() or "UvicornWorker" in server.log() or "Booting worker" in server.log()
     finally:
         server.process.terminate()
         assert server.process.wait(30) == 0
+    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    messages = [r["message"] for r in records]
+    assert any("uvicorn_worker.UvicornWorker" in m for m in messages)
+    assert sum("Booting worker" in m for m in messages) == 1
 
 
 def test_the_app_answers_503_until_the_model_is_ready():
