@@ -85,7 +85,7 @@ class Config:
                 f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
             )
 
-    def resolve_limits(self, model_max_positions: int | None, kv_token_budget: int | None = None) -> None:
+    def resolve_limits(self, model_max_positions: int | None) -> None:
         """Fill the token limits left unset from the model, as TGI does, then check again."""
         context = min(model_max_positions or 4096, 4096)
         if self.max_total_tokens is None:
@@ -95,10 +95,7 @@ class Config:
         if self.max_batch_prefill_tokens is None:
             self.max_batch_prefill_tokens = self.max_input_tokens + 50
         if self.max_batch_total_tokens is None:
-            budget = 16 * self.max_total_tokens
-            if kv_token_budget is not None:
-                budget = min(budget, kv_token_budget)
-            self.max_batch_total_tokens = max(self.max_total_tokens, budget)
+            self.max_batch_total_tokens = 16 * self.max_total_tokens
         self.check()
 
 

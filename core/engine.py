@@ -45,6 +45,8 @@ class SequenceState:
 
     sampler: SequenceSampler
     detokenizer: IncrementalDetokenizer
+    stop_window: str = ""
+    """The newest output text, special tokens included, that stop sequences are matched in."""
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -78,8 +80,8 @@ class Engine:
         self._cancelled: dict[int, Sequence] = {}
         self._wake = threading.Condition()
         self._stopping = False
+        self._broken = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
 
     # ---- called from the HTTP side -------------------------------------------------
 
@@ -108,50 +110,73 @@ class Engine:
     def batch_size(self) -> int:
         return len(self.running)
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died or given up; /health then says 503."""
+        return self._thread is not None and self._thread.is_alive() and not self._broken
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop; every sequence still queued or running gets an error event."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for seq in self.running + self._incoming:
-            seq.sink(ErrorEvent("the server is shutting down", "unhealthy"))
 
-    def warmup(self, prompt_tokens: int = 16, new_tokens: int = 2) -> None:
+    def warmup(self, prompt_tokens: int, vocab_size: int, new_tokens: int = 2, max_steps: int = 100) -> None:
         """Run one small request through prefill and decode before serving."""
-        prompt = torch.randint(0, len(self.tokenizer), (prompt_tokens,)).tolist()
+        prompt = torch.randint(0, vocab_size, (prompt_tokens,)).tolist()
         request = GenerationRequest("", prompt, new_tokens, SamplingParams())
         events: list[Event] = []
         self.queue.add(Sequence(request, events.append, None))
-        while not any(isinstance(e, ErrorEvent) or (isinstance(e, TokenEvent) and e.final) for e in events):
+        for _ in range(max_steps):
             self.step()
-        errors = [e.message for e in events if isinstance(e, ErrorEvent)]
-        if errors:
-            raise RuntimeError(errors[0])
+            errors = [e.message for e in events if isinstance(e, ErrorEvent)]
+            if errors:
+                raise RuntimeError(errors[0])
+            if any(isinstance(e, TokenEvent) and e.final for e in events):
+                return
+        raise RuntimeError(f"the warm-up request did not finish in {max_steps} steps (is the prefill budget too small?)")
 
     # ---- the engine thread ------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not (self._incoming or self._cancelled or self.running or len(self.queue)):
-                    self._wake.wait()
-                if self._stopping:
-                    return
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - the loop must survive anything a step raises
-                log.exception("engine step failed")
-                self._fail(self.running, "internal error in the engine step")
-            if not self.running and len(self.queue):
-                # Nothing runs and nothing fits: wait for a change rather than spin.
-                with self._wake:
-                    if not (self._incoming or self._cancelled or self._stopping):
-                        self._wake.wait(0.05)
+        try:
+            while self._wait_for_work():
+                try:
+                    self.run_once()
+                except Exception:  # noqa: BLE001 - a step that fails must not end the loop
+                    log.exception("engine step failed; failing the running batch and starting afresh")
+                    self._fail(self.running, "internal error in the engine step")
+                    self.runner.reset()
+                    self.running = []
+        except Exception:  # noqa: BLE001 - even recovery failed: stop serving, loudly
+            log.exception("the engine cannot recover; /health now reports it")
+            self._broken = True
+        finally:
+            self._fail_everything("the server is shutting down" if self._stopping else "the engine stopped")
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do; False when the engine is stopping."""
+        with self._wake:
+            if not self.running and len(self.queue) and not (self._incoming or self._cancelled):
+                # Requests wait but none fits: wait for a change rather than spin.
+                self._wake.wait(0.05)
+            while not self._stopping and not (self._incoming or self._cancelled or self.running or len(self.queue)):
+                self._wake.wait()
+            return not self._stopping
+
+    def _fail_everything(self, message: str) -> None:
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+        waiting = self.queue.drain()
+        for seq in self.running + waiting + incoming:
+            self._emit(seq, ErrorEvent(message, "unhealthy"))
+        self.running = []
 
     def run_once(self) -> None:
         """Take the requests and cancellations the HTTP side handed over, then run one step."""
@@ -165,24 +190,20 @@ class Engine:
         self.step()
 
     def _drop(self, cancelled: dict[int, Sequence]) -> None:
-        if not cancelled:
-            return
-        leaving = [s for s in self.running if s.id in cancelled]
+        """Forget cancelled sequences, waiting or running, and free their KV memory now."""
         for seq in cancelled.values():
-            if seq not in leaving:
-                self.queue.remove(seq)
-        self._release(leaving)
+            self.queue.remove(seq)
+        self._release(list(cancelled.values()))
 
     def step(self) -> None:
         """One engine step: admit and prefill newcomers, then decode the batch."""
         newcomers = self.queue.admit(self.running)
         if newcomers:
-            self._prefill(newcomers)
+            self._admit(newcomers)
         if self.running:
             self._decode()
-        self.steps += 1
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _admit(self, seqs: list[Sequence]) -> None:
         now = time.monotonic()
         ready = []
         for seq in seqs:
@@ -192,19 +213,24 @@ class Engine:
                 ready.append(seq)
             except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
                 self._fail([seq], f"could not start the request: {error}")
-        if not ready:
-            return
+        # Prompt details need the logits of every prompt position: prefill those alone so that
+        # one request's option never multiplies the memory of the others' prefill.
+        plain = [s for s in ready if not s.request.decoder_input_details]
+        for group in ([plain] if plain else []) + [[s] for s in ready if s.request.decoder_input_details]:
+            self._prefill(group)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
         try:
-            out = self.runner.prefill(ready, [s.request.decoder_input_details for s in ready])
+            out = self.runner.prefill(seqs, [s.request.decoder_input_details for s in seqs])
         except Exception as error:  # noqa: BLE001
             log.exception("prefill failed")
-            self._fail(ready, f"prefill failed: {type(error).__name__}: {error}")
+            self._fail(seqs, f"prefill failed: {type(error).__name__}: {error}")
             return
-        self.running.extend(ready)
-        for seq, logits in zip(ready, out.prompt_logits):
+        self.running.extend(seqs)
+        for seq, logits in zip(seqs, out.prompt_logits):
             if logits is not None:
                 seq.prefill_tokens = self._prompt_tokens(seq.prompt_ids, logits)
-        self._advance(ready, out.last_logits)
+        self._advance(seqs, out.last_logits)
 
     def _decode(self) -> None:
         batch = list(self.running)
@@ -242,21 +268,29 @@ class Engine:
                     finished.append(seq)
             except Exception as error:  # noqa: BLE001 - one request's failure stays its own
                 log.exception("sequence %d failed", seq.id)
-                seq.sink(ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
+                self._emit(seq, ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
                 finished.append(seq)
         self._release(finished)
 
     def _release(self, seqs: list[Sequence]) -> None:
+        """Free ``seqs`` in the backend (whether or not they joined the batch) and forget them."""
         if not seqs:
             return
+        self.runner.release(seqs)
         leaving = {s.id for s in seqs}
-        self.runner.release([s for s in self.running if s.id in leaving])
         self.running = [s for s in self.running if s.id not in leaving]
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
-            seq.sink(ErrorEvent(message))
+            self._emit(seq, ErrorEvent(message))
         self._release(list(seqs))
+
+    @staticmethod
+    def _emit(seq: Sequence, event: Event) -> None:
+        try:
+            seq.sink(event)
+        except Exception:  # noqa: BLE001 - a closed channel must not stop the engine
+            log.exception("could not deliver an event to sequence %d", seq.id)
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> bool:
         state: SequenceState = seq.state
@@ -264,13 +298,12 @@ class Engine:
         token_id = choice.token_id
         seq.generated_ids.append(token_id)
         special = token_id in self.special_ids
-        text_before = len(state.detokenizer.text)
         text = state.detokenizer.push(token_id)
-        reason = self._finish_reason(seq, token_id, text_before)
-        if reason is not None:
-            text += state.detokenizer.finish()
         if special:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        reason = self._finish_reason(seq, token_id, text)
+        if reason is not None and not special:
+            text += state.detokenizer.finish()
         token = TokenInfo(token_id, text, choice.logprob, special)
         top = [TokenInfo(i, self.tokenizer.decode([i]), lp, i in self.special_ids) for i, lp in choice.top]
         seq.tokens.append(token)
@@ -279,18 +312,24 @@ class Engine:
         if reason is not None:
             seq.finish_reason = reason
             final = self._final(seq, state, reason)
-        seq.sink(TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top, final=final))
+        self._emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top, final=final))
         return reason is not None
 
-    def _finish_reason(self, seq: Sequence, token_id: int, text_before: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, new_text: str) -> str | None:
         if len(seq.generated_ids) >= seq.request.max_new_tokens:
             return FINISH_LENGTH
         if token_id in self.eos_ids:
             return FINISH_EOS
-        text = seq.state.detokenizer.text
-        for stop in seq.request.stop:
-            if stop in text[max(0, text_before - len(stop) + 1) :]:
-                return FINISH_STOP
+        stops = seq.request.stop
+        if stops:
+            state: SequenceState = seq.state
+            longest = max(len(stop) for stop in stops)
+            window = state.stop_window + new_text
+            for stop in stops:
+                # Only matches that end in the new text count: earlier text was checked before.
+                if stop in window[max(0, len(state.stop_window) - len(stop) + 1) :]:
+                    return FINISH_STOP
+            state.stop_window = window[-longest:]
         return None
 
     def _final(self, seq: Sequence, state: SequenceState, reason: str) -> FinalResult:

@@ -66,10 +66,10 @@ def tokenmill_kv_allocators() -> list[KVAllocator]:
 def tokenmill_load_stage(stage: str, seconds: float, detail: str) -> None:
     """Observe model loading.
 
-    Called in the loader thread each time a load stage ends (``resolving``,
-    ``loading weights``, ``converting``, ``warm-up``, ...).
-    Receives the stage name, its duration in seconds and a short detail (the path
-    or the cause of a failure). Returns nothing.
+    Called in the loader thread each time a load stage ends, done or failed
+    (``resolving``, ``converting gguf``, ``loading weights``, ``warm-up``).
+    Receives the stage name, its duration in seconds and a short detail (the path,
+    or ``failed: <cause>``). Returns nothing.
     """
 
 
@@ -111,10 +111,11 @@ def tokenmill_logits_processors(
 
 
 @hookspec
-def tokenmill_add_routes(app: falcon.asgi.App, engine: Any) -> None:
+def tokenmill_add_routes(app: falcon.asgi.App, server: Any) -> None:
     """Add HTTP routes.
 
     Called once when the Falcon app is built, before it serves.
-    Receives the Falcon ASGI app and the server state (whose ``engine`` is None
-    until the model is loaded). Returns nothing; call ``app.add_route``.
+    Receives the Falcon ASGI app and the server state (``server.config``, and
+    ``server.engine``, which is None until the model is loaded). Returns nothing;
+    call ``app.add_route``.
     """

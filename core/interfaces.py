@@ -65,6 +65,9 @@ class BatchLimits:
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
     max_batch_size: int | None
+    padded: bool = False
+    """True when the backend pads the batch to its longest prompt, so a prefill of n
+    prompts costs n × the longest of them (TGI counts it the same way)."""
 
 
 class SchedulerQueue(Protocol):
@@ -75,6 +78,10 @@ class SchedulerQueue(Protocol):
     def __len__(self) -> int: ...
     def admit(self, running: list[Sequence]) -> list[Sequence]:
         """The waiting sequences to prefill now, removed from the queue."""
+        ...
+
+    def drain(self) -> list[Sequence]:
+        """Remove and return every waiting sequence (at shutdown)."""
         ...
 
 
@@ -109,11 +116,16 @@ class BackendRunner(Protocol):
         ...
 
     def release(self, seqs: list[Sequence]) -> None:
-        """Drop finished or cancelled sequences and free their KV memory now."""
+        """Drop finished or cancelled sequences and free their KV memory now; unknown ones are ignored."""
         ...
 
-    def batch_size(self) -> int: ...
-    def kv_bytes(self) -> int: ...
+    def reset(self) -> None:
+        """Forget every sequence: the engine's recovery after a step failed half-way."""
+        ...
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV memory held now."""
+        ...
 
 
 class Backend(Implementation):

@@ -61,17 +61,21 @@ class Stages:
         started = time.perf_counter()
         try:
             result = work()
-        except ModelLoadError:
-            raise
         except Exception as error:  # noqa: BLE001 - any failure becomes one line naming the stage
-            raise ModelLoadError(f"model load failed while {name}: {type(error).__name__}: {error}") from error
+            failure = error if isinstance(error, ModelLoadError) else ModelLoadError(
+                f"model load failed while {name}: {type(error).__name__}: {error}")
+            self._ended(name, started, f"failed: {failure}")
+            raise failure from error
+        self._ended(name, started, detail)
+        self.current = None
+        return result
+
+    def _ended(self, name: str, started: float, detail: str) -> None:
         seconds = time.perf_counter() - started
         self.done.append({"stage": name, "seconds": round(seconds, 3), "detail": detail})
         log.info("load stage %s: %.2fs %s", name, seconds, detail)
         if self.observer:
             self.observer(name, seconds, detail)
-        self.current = None
-        return result
 
 
 def cache_dir() -> Path:

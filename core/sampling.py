@@ -69,8 +69,9 @@ class SequenceSampler:
                     picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
                 )
             if p.frequency_penalty:
+                # TGI's rule: the penalty scales each token's share of the sequence so far.
                 counts = torch.bincount(history, minlength=scores.shape[-1]).to(scores.dtype)
-                scores = scores - p.frequency_penalty * counts
+                scores = scores - p.frequency_penalty * counts / len(token_ids)
         for processor in self.processors:
             scores = processor(token_ids, scores)
         if self.sampling:
@@ -85,7 +86,10 @@ class SequenceSampler:
             token_id = int(torch.multinomial(probs, 1, generator=self.generator).item())
         else:
             token_id = int(torch.argmax(scores).item())
-        return Choice(token_id, float(logprobs[token_id]), top_logprobs(logprobs, self.top_n))
+        logprob = float(logprobs[token_id])
+        if not math.isfinite(logprob):
+            raise FloatingPointError(f"the chosen token's log-probability is {logprob} (non-finite logits)")
+        return Choice(token_id, logprob, top_logprobs(logprobs, self.top_n))
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:

@@ -113,7 +113,7 @@ class Sequence:
         self.arrived_at = time.monotonic()
         self.admitted_at: float | None = None
         self.state: Any = None
-        """Per-sequence sampling state, owned by the sampler."""
+        """The engine's per-sequence state (sampler, detokenizer), set when admitted."""
 
     @property
     def prompt_len(self) -> int:

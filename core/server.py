@@ -9,11 +9,13 @@ engine thread pushes events into a per-request asyncio queue through
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import falcon
@@ -47,6 +49,19 @@ class ApiError(Exception):
         return {"error": self.message, "error_type": self.error_type}
 
 
+class Slot:
+    """One of the ``--max-concurrent-requests`` places; giving it back twice is harmless."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.in_flight -= 1
+
+
 class ServerState:
     """Everything the routes share: config, plugins, the loaded model and the engine."""
 
@@ -57,8 +72,12 @@ class ServerState:
             stage=stage, seconds=seconds, detail=detail))
         self.loaded: LoadedModel | None = None
         self.engine: Engine | None = None
-        self.load_error: str | None = None
+        self.vocab_size = 0
         self.in_flight = 0
+        self.request_ids = itertools.count(1)
+        # Tokenizing a long prompt takes milliseconds: do it off the event loop, on one thread
+        # because a fast tokenizer must not be used from two threads at once.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
 
     # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
 
@@ -68,20 +87,30 @@ class ServerState:
         backend = choose(self.pm, "backend", config.backend)
         scheduler = choose(self.pm, "scheduler", config.scheduler)
         kv_allocator = choose(self.pm, "kv_allocator", config.kv_allocator)
+        if kv_allocator.layout != backend.kv_layout:
+            raise ModelLoadError(f"--kv-allocator {kv_allocator.name} serves the {kv_allocator.layout} layout but "
+                                 f"--backend {backend.name} needs {backend.kv_layout}")
         loaded = load_model(config.model_id, config.revision, config.dtype, attention.transformers_name,
                             config.trust_remote_code, self.stages)
         model_config = loaded.model.config
-        config.resolve_limits(getattr(model_config, "max_position_embeddings", None))
-        kv_store = kv_allocator.create(model_config, loaded.dtype, loaded.device)
-        runner = backend.create(loaded.model, kv_store)
+        context = getattr(model_config, "max_position_embeddings", None)
+        config.resolve_limits(context)
+        assert config.max_total_tokens and config.max_input_tokens
+        if context and config.max_total_tokens > context:
+            log.warning("--max-total-tokens %d exceeds the model's context of %d positions",
+                        config.max_total_tokens, context)
+        runner = backend.create(loaded.model, kv_allocator.create(model_config, loaded.dtype, loaded.device))
         assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
         queue = scheduler.create(BatchLimits(
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_total_tokens=config.max_batch_total_tokens,
             max_batch_size=config.max_batch_size,
+            padded=backend.kv_layout == "padded",
         ))
         engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), self.pm)
-        self.stages.run("warm-up", engine.warmup)
+        self.vocab_size = loaded.model.get_input_embeddings().num_embeddings
+        warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
+        self.stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(self.vocab_size, len(loaded.tokenizer))))
         self.loaded = loaded
         engine.start()
         self.engine = engine
@@ -91,8 +120,8 @@ class ServerState:
         try:
             self.load()
         except Exception as error:  # noqa: BLE001 - report one line, then stop the process
-            self.load_error = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
-            log.error("startup failed: %s", self.load_error)
+            message = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
+            log.error("startup failed: %s", message)
             logging.shutdown()
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
@@ -100,17 +129,15 @@ class ServerState:
         if self.engine is None:
             stage = self.stages.current or "starting"
             raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
+        if not self.engine.healthy:
+            raise ApiError(503, "the engine has stopped", "unhealthy")
         return self.engine
 
-    # ---- admission ---------------------------------------------------------------------
-
-    def take_slot(self) -> None:
+    def take_slot(self) -> Slot:
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
         self.in_flight += 1
-
-    def give_slot(self) -> None:
-        self.in_flight -= 1
+        return Slot(self)
 
 
 # ---- request plumbing ------------------------------------------------------------------
@@ -137,9 +164,13 @@ async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
     if len(raw) > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
     try:
-        return json.loads(raw or b"null")
+        return json.loads(raw or b"null", parse_constant=_reject_constant)
     except ValueError as error:
         raise ApiError(422, f"the request body is not valid JSON: {error}", "validation") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def on_disconnect(req: falcon.asgi.Request, callback: Callable[[], None]) -> None:
@@ -147,6 +178,7 @@ def on_disconnect(req: falcon.asgi.Request, callback: Callable[[], None]) -> Non
 
 
 def cancel_on_disconnect(engine: Engine, seq: Sequence, channel: Channel) -> Callable[[], None]:
+    """A disconnect callback that cancels ``seq`` and wakes whoever waits on ``channel``."""
     def cancel() -> None:
         engine.cancel(seq)
         channel.disconnected()
@@ -204,13 +236,14 @@ def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
     return body
 
 
-def timing_headers(resp: falcon.asgi.Response, result: FinalResult, started: float, validated: float) -> None:
+def timing_headers(resp: falcon.asgi.Response, request: GenerationRequest, result: FinalResult, device: str,
+                   started: float, validated: float) -> None:
     total = time.monotonic() - started
     per_token = result.inference_seconds / max(result.generated_tokens, 1)
     resp.set_headers({
-        "x-compute-type": "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES") in (None, "") else "gpu",
+        "x-compute-type": device,
         "x-compute-time": f"{total:.6f}",
-        "x-compute-characters": str(len(result.generated_text)),
+        "x-compute-characters": str(len(request.inputs)),
         "x-total-time": str(int(total * 1000)),
         "x-validation-time": str(int((validated - started) * 1000)),
         "x-queue-time": str(int(result.queue_seconds * 1000)),
@@ -235,16 +268,19 @@ class Generation:
         body = await read_json(req, self.state.config.payload_limit)
         if stream is None:
             stream = bool(isinstance(body, dict) and body.get("stream"))
+        state = self.state
+        assert state.loaded is not None
         try:
             inputs, params = parse_body(body)
-            assert self.state.loaded is not None
-            request = validate_generate(inputs, params, self.state.loaded.tokenizer, self.state.config, stream)
+            request = await asyncio.get_running_loop().run_in_executor(
+                state.tokenizer_thread, validate_generate, inputs, params, state.loaded.tokenizer, state.config,
+                stream, state.vocab_size)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
         return request, stream, time.monotonic()
 
     async def run_to_end(self, req: falcon.asgi.Request, request: GenerationRequest) -> list[FinalResult]:
-        """Run ``best_of`` sequences to their end; cancel them if the client leaves."""
+        """Run ``best_of`` sequences to their end; cancel them all if the client leaves or one fails."""
         engine = self.state.ready_engine()
         channels = [Channel() for _ in range(request.best_of)]
         seqs = [engine.submit(request, channel.sink) for channel in channels]
@@ -252,12 +288,15 @@ class Generation:
             on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
         watcher = asyncio.create_task(watch_receive(req))
         try:
-            results = await asyncio.gather(*(self.wait_final(engine, seq, ch) for seq, ch in zip(seqs, channels)))
+            return list(await asyncio.gather(*(self.wait_final(seq, ch) for seq, ch in zip(seqs, channels))))
+        except BaseException:
+            for seq in seqs:
+                engine.cancel(seq)
+            raise
         finally:
             watcher.cancel()
-        return list(results)
 
-    async def wait_final(self, engine: Engine, seq: Sequence, channel: Channel) -> FinalResult:
+    async def wait_final(self, seq: Sequence, channel: Channel) -> FinalResult:
         while True:
             event = await channel.queue.get()
             if event is DISCONNECTED:
@@ -267,13 +306,13 @@ class Generation:
             if event.final is not None:
                 return event.final
 
-    def started(self, request: GenerationRequest) -> None:
+    def started(self, request_id: int, request: GenerationRequest) -> None:
         self.state.pm.hook.tokenmill_request_started(
-            request_id=id(request), inputs=request.inputs, parameters=request.parameters)
+            request_id=request_id, inputs=request.inputs, parameters=request.parameters)
 
-    def finished(self, request: GenerationRequest, result: FinalResult | None, error: str | None) -> None:
+    def finished(self, request_id: int, result: FinalResult | None, error: str | None) -> None:
         self.state.pm.hook.tokenmill_request_finished(
-            request_id=id(request),
+            request_id=request_id,
             finish_reason=result.finish_reason if result else None,
             generated_tokens=result.generated_tokens if result else 0,
             error=error,
@@ -281,17 +320,21 @@ class Generation:
 
     async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                            request: GenerationRequest, started: float, validated: float, as_list: bool) -> None:
-        self.state.take_slot()
-        self.started(request)
+        slot = self.state.take_slot()
+        request_id = next(self.state.request_ids)
         try:
+            self.started(request_id, request)
             results = await self.run_to_end(req, request)
         except ApiError as error:
-            self.finished(request, None, error.message)
+            self.finished(request_id, None, error.message)
+            raise
+        except BaseException as error:
+            self.finished(request_id, None, f"{type(error).__name__}: {error}")
             raise
         finally:
-            self.state.give_slot()
+            slot.release()
         best = max(results, key=lambda r: r.logprob_sum())
-        self.finished(request, best, None)
+        self.finished(request_id, best, None)
         body: dict[str, Any] = {"generated_text": best.generated_text}
         if request.details:
             body["details"] = details_json(best, request.top_n_tokens > 0)
@@ -300,23 +343,35 @@ class Generation:
                     {"generated_text": r.generated_text, **details_json(r, request.top_n_tokens > 0)}
                     for r in results if r is not best
                 ]
-        timing_headers(resp, best, started, validated)
+        assert self.state.loaded is not None
+        timing_headers(resp, request, best, self.state.loaded.device.type, started, validated)
         resp.media = [body] if as_list else body
 
     async def respond_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                              request: GenerationRequest) -> None:
         engine = self.state.ready_engine()
-        self.state.take_slot()
-        self.started(request)
-        channel = Channel()
-        seq = engine.submit(request, channel.sink)
-        on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
+        slot = self.state.take_slot()
+        request_id = next(self.state.request_ids)
+        try:
+            self.started(request_id, request)
+            channel = Channel()
+            seq = engine.submit(request, channel.sink)
+        except BaseException:
+            slot.release()
+            raise
+
+        def cancel() -> None:
+            engine.cancel(seq)
+            channel.disconnected()
+            slot.release()  # also when the response never started streaming
+
+        on_disconnect(req, cancel)
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
-        resp.sse = self.events(engine, seq, channel, request)
+        resp.sse = self.events(engine, seq, channel, request, request_id, slot)
 
-    async def events(self, engine: Engine, seq: Sequence, channel: Channel,
-                     request: GenerationRequest) -> AsyncIterator[falcon.asgi.SSEvent]:
+    async def events(self, engine: Engine, seq: Sequence, channel: Channel, request: GenerationRequest,
+                     request_id: int, slot: Slot) -> AsyncIterator[falcon.asgi.SSEvent]:
         result: FinalResult | None = None
         error: str | None = None
         try:
@@ -337,8 +392,8 @@ class Generation:
             if result is None and error is None:  # the response was abandoned mid-way
                 engine.cancel(seq)
                 error = "client disconnected"
-            self.state.give_slot()
-            self.finished(request, result, error)
+            slot.release()
+            self.finished(request_id, result, error)
 
     @staticmethod
     def stream_json(event: TokenEvent, request: GenerationRequest) -> dict[str, Any]:
@@ -389,7 +444,9 @@ class TokenizeRoute:
         tokenizer = self.state.loaded.tokenizer
         if not getattr(tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
-        encoding = tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True)
+        encoding = await asyncio.get_running_loop().run_in_executor(
+            self.state.tokenizer_thread,
+            lambda: tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True))
         resp.media = [
             {"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
             for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
@@ -438,7 +495,7 @@ class InfoRoute:
             "attention": config.attention,
             "scheduler": config.scheduler,
             "kv_allocator": config.kv_allocator,
-            "ready": state.engine is not None,
+            "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
             "load_stages": state.stages.done,
             "queue_size": state.engine.queue_size if state.engine else 0,
@@ -472,7 +529,8 @@ class Lifespan:
 
     async def process_shutdown(self, scope: Any, event: Any) -> None:
         if self.state.engine is not None:
-            self.state.engine.stop()
+            await asyncio.to_thread(self.state.engine.stop)
+        self.state.tokenizer_thread.shutdown(wait=False)
 
 
 def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> DisconnectWatch:
@@ -489,7 +547,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/info", InfoRoute(state))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ApiError, handle_api_error)
-    pm.hook.tokenmill_add_routes(app=app, engine=state)
+    pm.hook.tokenmill_add_routes(app=app, server=state)
     wrapped = DisconnectWatch(app)
     wrapped.state = state  # type: ignore[attr-defined]
     return wrapped

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tokenmill.config import Config
+from tokenmill.sampling import uses_sampling
 from tokenmill.sequence import GenerationRequest, SamplingParams
 
 _MISSING = object()
@@ -18,8 +20,8 @@ def _number(params: dict[str, Any], name: str, kind: type) -> Any:
     value = params.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(f"`{name}` must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValidationError(f"`{name}` must be a finite number, got {value!r}")
     if kind is int:
         if isinstance(value, float) and not value.is_integer():
             raise ValidationError(f"`{name}` must be an integer, got {value!r}")
@@ -45,7 +47,9 @@ def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
         raise ValidationError("missing field `inputs`")
     if not isinstance(inputs, str):
         raise ValidationError("`inputs` must be a string")
-    parameters = body.get("parameters") or {}
+    parameters = body.get("parameters")
+    if parameters is None:
+        parameters = {}
     if not isinstance(parameters, dict):
         raise ValidationError("`parameters` must be an object")
     return inputs, parameters
@@ -86,7 +90,7 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 
 def validate_generate(
-    inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool
+    inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool, vocab_size: int
 ) -> GenerationRequest:
     """A GenerationRequest for the engine, or ValidationError with TGI's message."""
     assert config.max_input_tokens is not None and config.max_total_tokens is not None
@@ -99,7 +103,7 @@ def validate_generate(
         if best_of > 1:
             if stream:
                 raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
-            if not (sampling.do_sample or sampling.temperature or sampling.top_k or sampling.top_p or sampling.typical_p):
+            if not uses_sampling(sampling):
                 raise ValidationError("you must use sampling when `best_of` is > 1")
             if sampling.seed is not None:
                 raise ValidationError("`seed` must not be set when `best_of` > 1")
@@ -146,8 +150,10 @@ def validate_generate(
         input_ids = input_ids[-truncate:]
     if len(input_ids) > config.max_input_tokens:
         raise ValidationError(
-            f"`inputs` tokens must be <= {config.max_input_tokens}. Given: {len(input_ids)}"
+            f"`inputs` must have less than {config.max_input_tokens} tokens. Given: {len(input_ids)}"
         )
+    if max(input_ids) >= vocab_size:
+        raise ValidationError(f"`inputs` has token id {max(input_ids)}, beyond the model's {vocab_size} embeddings")
 
     max_new_tokens = _number(params, "max_new_tokens", int)
     if max_new_tokens is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 import tokenmill
@@ -209,3 +212,146 @@ def test_the_batch_respects_max_batch_total_tokens_and_max_batch_size(tiny_model
     for sink in sinks:
         engine.submit(greedy_request(tokenizer, PROMPTS[0], 5), sink)
     assert max(run_until_done(engine, sinks)) == 3
+
+
+def test_sliding_window_models_batch_and_match_generate(tiny_model):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    _, tokenizer = tiny_model
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                           initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
+    model = MistralForCausalLM(config).eval()
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    sinks = [Collector() for _ in PROMPTS[:4]]
+    for prompt, sink in zip(PROMPTS[:4], sinks):
+        engine.submit(greedy_request(tokenizer, prompt, 12), sink)
+    run_until_done(engine, sinks)
+    for prompt, sink in zip(PROMPTS[:4], sinks):
+        assert sink.token_ids == reference_greedy(model, tokenizer, prompt, 12), prompt
+
+
+class ForceToken:
+    """A plugin that forces one token id at one step of requests that ask for it."""
+
+    def __init__(self, token_id: int, at_step: int) -> None:
+        self.token_id, self.at_step = token_id, at_step
+
+    @tokenmill.hookimpl
+    def tokenmill_logits_processors(self, parameters):
+        if not parameters.get("force"):
+            return []
+        steps = []
+
+        def force(token_ids, scores):
+            steps.append(1)
+            if len(steps) == self.at_step:
+                forced = torch.full_like(scores, -float("inf"))
+                forced[self.token_id] = 0.0
+                return forced
+            return scores
+
+        return [force]
+
+
+def test_a_stop_sequence_can_match_a_special_token(tiny_model):
+    model, tokenizer = tiny_model
+    pm = build_plugin_manager(autoload=False)
+    pm.register(ForceToken(token_id=2, at_step=3))
+    engine = build_engine(model, tokenizer, pm=pm)
+    engine.eos_ids = set()  # so that only the stop sequence can end it
+    sink = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 10, stop=("<|im_end|>",), parameters={"force": True}), sink)
+    run_until_done(engine, [sink])
+    assert sink.final.finish_reason == "stop_sequence" and sink.token_ids[-1] == 2 and len(sink.token_ids) == 3
+    last = [e for e in sink.events][-1].token
+    assert last.special and last.text == "<|im_end|>"
+    assert "<|im_end|>" not in sink.final.generated_text
+
+
+def test_warmup_fits_a_small_prefill_budget_and_fails_clearly_when_nothing_fits(tiny_model):
+    model, tokenizer = tiny_model
+    build_engine(model, tokenizer, max_batch_prefill_tokens=8).warmup(8, 49152)
+    with pytest.raises(RuntimeError, match="did not finish"):
+        build_engine(model, tokenizer, max_batch_prefill_tokens=4).warmup(8, 49152, max_steps=5)
+
+
+class FlakyRunner:
+    """Wraps a runner; ``decode`` raises once when armed, ``release`` raises when broken."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.fail_next_decode = False
+        self.broken_release = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, seqs):
+        if self.fail_next_decode:
+            self.fail_next_decode = False
+            raise RuntimeError("device fell over")
+        return self.inner.decode(seqs)
+
+    def release(self, seqs):
+        if self.broken_release:
+            raise RuntimeError("cannot free")
+        return self.inner.release(seqs)
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_engine_thread_survives_a_failed_step_and_serves_the_next_request(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.eos_ids = set()
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    engine.start()
+    try:
+        victim = Collector()
+        flaky.fail_next_decode = True
+        engine.submit(greedy_request(tokenizer, PROMPTS[1], 20), victim)
+        wait_for(lambda: victim.done)
+        assert isinstance(victim.events[-1], ErrorEvent) and "device fell over" in victim.events[-1].message
+        after = Collector()
+        engine.submit(greedy_request(tokenizer, PROMPTS[1], 6), after)
+        wait_for(lambda: after.done)
+        assert after.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 6)
+        assert engine.healthy
+    finally:
+        engine.stop()
+
+
+def test_an_engine_that_cannot_recover_reports_unhealthy_and_fails_every_request(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer)
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    flaky.fail_next_decode = flaky.broken_release = True
+    engine.start()
+    sinks = [Collector() for _ in range(3)]
+    for sink in sinks:
+        engine.submit(greedy_request(tokenizer, PROMPTS[1], 20), sink)
+    wait_for(lambda: all(s.done for s in sinks))
+    wait_for(lambda: not engine.healthy)
+    assert all(isinstance(s.events[-1], ErrorEvent) for s in sinks)
+
+
+def test_stop_fails_queued_and_running_requests(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, max_batch_size=1)
+    engine.eos_ids = set()
+    engine.start()
+    sinks = [Collector() for _ in range(3)]
+    for sink in sinks:
+        engine.submit(greedy_request(tokenizer, PROMPTS[1], 1000), sink)
+    wait_for(lambda: len(sinks[0].token_ids) > 2)
+    engine.stop()
+    assert all(s.done and isinstance(s.events[-1], ErrorEvent) for s in sinks)
+    assert {s.events[-1].message for s in sinks} == {"the server is shutting down"}

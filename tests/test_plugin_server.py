@@ -34,9 +34,9 @@ PLUGIN = textwrap.dedent('''
             resp.media = {"pong": True, "ready": self.state.engine is not None}
 
     @tokenmill.hookimpl
-    def tokenmill_add_routes(app, engine):
+    def tokenmill_add_routes(app, server):
         ping = Ping()
-        ping.state = engine
+        ping.state = server
         app.add_route("/ping", ping)
 ''')
 

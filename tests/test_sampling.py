@@ -52,10 +52,10 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert scores[0] == 2.0 and scores[5] == -2.0 and scores[1] == 3.0
 
 
-def test_frequency_penalty_subtracts_per_occurrence():
+def test_frequency_penalty_subtracts_the_share_of_each_token_as_tgi_does():
     sampler = SequenceSampler(SamplingParams(frequency_penalty=0.5), None, [], 0)
-    scores = sampler.process([1, 1, 2], LOGITS)
-    assert scores[1] == 2.0 and scores[2] == 1.5 and scores[0] == 4.0
+    scores = sampler.process([1, 1, 2, 3], LOGITS)
+    assert scores[1] == 3.0 - 0.5 * 2 / 4 and scores[2] == 2.0 - 0.5 / 4 and scores[0] == 4.0
 
 
 def test_greedy_picks_the_argmax_with_its_logprob_and_top_tokens():
@@ -63,6 +63,13 @@ def test_greedy_picks_the_argmax_with_its_logprob_and_top_tokens():
     assert choice.token_id == 0
     assert math.isclose(choice.logprob, float(LOGITS.log_softmax(-1)[0]), rel_tol=1e-6)
     assert [i for i, _ in choice.top] == [0, 1, 2]
+
+
+def test_non_finite_logits_fail_the_choice_instead_of_emitting_nan():
+    import pytest
+
+    with pytest.raises(FloatingPointError):
+        SequenceSampler(SamplingParams(), None, [], 0).choose([], torch.full((6,), float("nan")))
 
 
 def test_same_seed_same_samples_and_another_seed_differs():

@@ -207,6 +207,7 @@ def test_invalid_parameters_are_422_naming_the_parameter(tiny_server, parameters
     ({"inputs": 42}, "inputs"),
     ({"inputs": "word " * 600, "parameters": {"max_new_tokens": 1}}, "inputs"),
     ({"inputs": "Hi", "parameters": "fast"}, "parameters"),
+    ({"inputs": "Hi", "parameters": []}, "parameters"),
 ])
 def test_invalid_bodies_are_422(tiny_server, body, named):
     with tiny_server.client() as client:
@@ -226,6 +227,10 @@ def test_malformed_json_is_422_and_oversized_body_is_413(tiny_server):
     with tiny_server.client() as client:
         bad = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
         assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+        for constant in (b"NaN", b"Infinity", b"-Infinity"):
+            body = b'{"inputs": "Hi", "parameters": {"repetition_penalty": ' + constant + b"}}"
+            response = client.post("/generate", content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 422, constant
         huge = client.post("/generate", json={"inputs": "x" * 2_100_000})
         assert huge.status_code == 413
         assert generate(client, "Still fine", max_new_tokens=2).status_code == 200

@@ -43,8 +43,8 @@ class TransformersRunner(BackendRunner):
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
 
-    def batch_size(self) -> int:
-        return len(self.rows)
+    def reset(self) -> None:
+        self.rows, self.cache, self.mask = [], None, None
 
     def kv_bytes(self) -> int:
         return self.kv.nbytes(self.cache)
@@ -64,12 +64,15 @@ class TransformersRunner(BackendRunner):
             logits_to_keep=0 if keep_all else 1,
         )
         logits = out.logits
-        prompt_logits: list[torch.Tensor | None] = []
-        for row, seq in enumerate(seqs):
-            wanted = want_prompt_logits[row]
-            prompt_logits.append(logits[row, -seq.prompt_len :].float().cpu() if wanted else None)
-        self._join(seqs, cache, mask)
-        return PrefillOutput(last_logits=logits[:, -1, :].float().cpu(), prompt_logits=prompt_logits)
+        result = PrefillOutput(
+            last_logits=logits[:, -1, :].float().cpu(),
+            prompt_logits=[
+                logits[row, -seq.prompt_len :].float().cpu() if want_prompt_logits[row] else None
+                for row, seq in enumerate(seqs)
+            ],
+        )
+        self._join(seqs, cache, mask)  # last: a failure above leaves the running batch as it was
+        return result
 
     def _join(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:
         if self.cache is None:
@@ -77,14 +80,15 @@ class TransformersRunner(BackendRunner):
         else:
             assert self.mask is not None
             old_len, new_len = self.mask.shape[1], mask.shape[1]
-            self.cache = self.kv.concat(self.cache, cache, old_len, new_len)
             width = max(old_len, new_len)
-            self.mask = torch.cat(
+            joined_mask = torch.cat(
                 [
                     torch.nn.functional.pad(self.mask, (width - old_len, 0)),
                     torch.nn.functional.pad(mask, (width - new_len, 0)),
                 ]
             )
+            self.cache = self.kv.concat(self.cache, cache, old_len, new_len)
+            self.mask = joined_mask
         self.rows.extend(s.id for s in seqs)
 
     @torch.inference_mode()
@@ -92,22 +96,22 @@ class TransformersRunner(BackendRunner):
         assert self.mask is not None and len(seqs) == len(self.rows)
         by_id = {s.id: s for s in seqs}
         last = torch.tensor([[by_id[row].last_token] for row in self.rows], dtype=torch.long, device=self.device)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
-        positions = self.mask.sum(-1, keepdim=True) - 1
+        mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
         out = self.model(
             input_ids=last,
-            attention_mask=self.mask,
-            position_ids=positions,
+            attention_mask=mask,
+            position_ids=mask.sum(-1, keepdim=True) - 1,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
         )
+        self.mask = mask
         logits = out.logits[:, -1, :].float().cpu()
         order = torch.tensor([self.rows.index(s.id) for s in seqs], dtype=torch.long)
         return logits.index_select(0, order)
 
     def release(self, seqs: list[Sequence]) -> None:
-        leaving = {s.id for s in seqs}
+        leaving = {s.id for s in seqs}  # ids that never joined are ignored
         keep = [row for row, seq_id in enumerate(self.rows) if seq_id not in leaving]
         if len(keep) == len(self.rows):
             return

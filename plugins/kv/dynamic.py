@@ -24,17 +24,21 @@ def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
 
 class DynamicPaddedCache(PaddedKVCache):
     def new_cache(self, model_config: Any) -> DynamicCache:
-        return DynamicCache(config=model_config)
+        # Full-length layers for every model, sliding-window ones included: their masks still
+        # limit attention to the window, and rows of different lengths stay aligned by column.
+        return DynamicCache()
 
     def concat(self, first: DynamicCache, second: DynamicCache, first_len: int, second_len: int) -> DynamicCache:
         width = max(first_len, second_len)
-        for mine, theirs in zip(first.layers, second.layers):
-            mine.keys = torch.cat(
-                [_pad_left(mine.keys, width - first_len), _pad_left(theirs.keys, width - second_len)]
-            )
-            mine.values = torch.cat(
-                [_pad_left(mine.values, width - first_len), _pad_left(theirs.values, width - second_len)]
-            )
+
+        def joined(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+            return torch.cat([_pad_left(mine, width - first_len), _pad_left(theirs, width - second_len)])
+
+        # Build every layer before touching any, so that running out of memory leaves ``first`` whole.
+        keys = [joined(a.keys, b.keys) for a, b in zip(first.layers, second.layers)]
+        values = [joined(a.values, b.values) for a, b in zip(first.layers, second.layers)]
+        for layer, layer_keys, layer_values in zip(first.layers, keys, values):
+            layer.keys, layer.values = layer_keys, layer_values
         return first
 
     def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
