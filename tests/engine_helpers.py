@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pluggy
+import torch
 
 from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
@@ -12,7 +13,31 @@ from tokenmill.plugins import build_plugin_manager, choose
 from tokenmill.sequence import Event, GenerationRequest, SamplingParams, TokenEvent
 
 
-def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, **limits: Any) -> Engine:
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "In 1492, Columbus",
+    "def fibonacci(n):\n    return",
+    "Paris is the capital of",
+    "A",
+    "Once upon a time, in a land far far away, there lived a king who had three daughters",
+    "1, 2, 3, 4,",
+]
+
+
+def reference_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int,
+                     eos_token_id: int | None = None) -> list[int]:
+    """The tokens ``model.generate()`` picks greedily for ``prompt`` alone."""
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2,
+                             eos_token_id=eos_token_id)
+    return out[0, ids["input_ids"].shape[1]:].tolist()
+
+
+def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, ignore_eos: bool = False,
+                 **limits: Any) -> Engine:
+    """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens."""
     pm = pm or build_plugin_manager(autoload=False)
     backend = choose(pm, "backend", "transformers")
     kv = choose(pm, "kv_allocator", "dynamic")
@@ -21,9 +46,11 @@ def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = N
         max_batch_prefill_tokens=limits.get("max_batch_prefill_tokens", 4096),
         max_batch_total_tokens=limits.get("max_batch_total_tokens", 65536),
         max_batch_size=limits.get("max_batch_size"),
+        padded=True,
     )
     runner = backend.create(model, kv.create(model.config, model.dtype, model.device))
-    return Engine(runner, scheduler.create(batch_limits), tokenizer, eos_token_ids(model, tokenizer), pm)
+    eos = set() if ignore_eos else eos_token_ids(model, tokenizer)
+    return Engine(runner, scheduler.create(batch_limits), tokenizer, eos, pm)
 
 
 def greedy_request(tokenizer: Any, prompt: str, max_new_tokens: int, **extra: Any) -> GenerationRequest:

@@ -11,30 +11,11 @@ import tokenmill
 from tokenmill.plugins import build_plugin_manager
 from tokenmill.sequence import ErrorEvent, SamplingParams
 
-from engine_helpers import Collector, build_engine, greedy_request
-
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog",
-    "In 1492, Columbus",
-    "def fibonacci(n):\n    return",
-    "Paris is the capital of",
-    "A",
-    "Once upon a time, in a land far far away, there lived a king who had three daughters",
-    "1, 2, 3, 4,",
-]
-
-
-def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=None)
-    return out[0, ids["input_ids"].shape[1]:].tolist()
-
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
 
 def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()  # random weights: run to max_new_tokens so every step is compared
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     lengths = [12, 20, 7, 16, 24, 9, 14, 18]
     sinks = [Collector() for _ in PROMPTS]
     for prompt, length, sink in zip(PROMPTS[:4], lengths, sinks):
@@ -57,8 +38,7 @@ def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
 
 def test_finished_sequences_leave_the_batch_the_step_they_finish(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     short, long = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[0], 2), short)
     engine.submit(greedy_request(tokenizer, PROMPTS[6], 10), long)
@@ -72,8 +52,7 @@ def test_finished_sequences_leave_the_batch_the_step_they_finish(tiny_model):
 
 def test_cancel_frees_the_sequence_at_the_next_step(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     kept, dropped = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 50), kept)
     seq = engine.submit(greedy_request(tokenizer, PROMPTS[6], 50), dropped)
@@ -103,8 +82,7 @@ def test_a_failing_request_does_not_break_the_others(tiny_model):
 
     pm = build_plugin_manager(autoload=False)
     pm.register(ExplodingProcessor())
-    engine = build_engine(model, tokenizer, pm=pm)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, pm=pm, ignore_eos=True)
     good, bad = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 8), good)
     engine.submit(greedy_request(tokenizer, PROMPTS[0], 8, parameters={"explode": True}), bad)
@@ -116,8 +94,7 @@ def test_a_failing_request_does_not_break_the_others(tiny_model):
 
 def test_same_seed_gives_the_same_sampled_tokens(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)
     runs = []
     for _ in range(2):
@@ -138,8 +115,7 @@ def test_same_seed_gives_the_same_sampled_tokens(tiny_model):
 
 def test_stop_sequence_ends_generation_and_is_kept_in_the_text(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     probe = Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[3], 10), probe)
     while not probe.done:
@@ -186,8 +162,7 @@ def test_prefill_respects_max_batch_prefill_tokens(tiny_model):
     model, tokenizer = tiny_model
     prompt = PROMPTS[1]  # 9 tokens
     assert len(tokenizer(prompt)["input_ids"]) == 9
-    engine = build_engine(model, tokenizer, max_batch_prefill_tokens=20)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, max_batch_prefill_tokens=20, ignore_eos=True)
     sinks = [Collector() for _ in range(5)]
     for sink in sinks:
         engine.submit(greedy_request(tokenizer, prompt, 30), sink)
@@ -197,8 +172,7 @@ def test_prefill_respects_max_batch_prefill_tokens(tiny_model):
 
 def test_the_batch_respects_max_batch_total_tokens_and_max_batch_size(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer, max_batch_total_tokens=100)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, max_batch_total_tokens=100, ignore_eos=True)
     sinks = [Collector() for _ in range(4)]
     for sink in sinks:
         engine.submit(greedy_request(tokenizer, PROMPTS[1], 30), sink)  # 9 + 30 = 39 tokens each
@@ -206,8 +180,7 @@ def test_the_batch_respects_max_batch_total_tokens_and_max_batch_size(tiny_model
     assert max(sizes) == 2 and sizes[-1] == 0, "only two 39-token sequences fit in 100"
     assert all(len(s.token_ids) == 30 for s in sinks), "the others waited, then ran to the end"
 
-    engine = build_engine(model, tokenizer, max_batch_size=3)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, max_batch_size=3, ignore_eos=True)
     sinks = [Collector() for _ in range(5)]
     for sink in sinks:
         engine.submit(greedy_request(tokenizer, PROMPTS[0], 5), sink)
@@ -223,8 +196,7 @@ def test_sliding_window_models_batch_and_match_generate(tiny_model):
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
                            initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
     model = MistralForCausalLM(config).eval()
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     sinks = [Collector() for _ in PROMPTS[:4]]
     for prompt, sink in zip(PROMPTS[:4], sinks):
         engine.submit(greedy_request(tokenizer, prompt, 12), sink)
@@ -260,8 +232,7 @@ def test_a_stop_sequence_can_match_a_special_token(tiny_model):
     model, tokenizer = tiny_model
     pm = build_plugin_manager(autoload=False)
     pm.register(ForceToken(token_id=2, at_step=3))
-    engine = build_engine(model, tokenizer, pm=pm)
-    engine.eos_ids = set()  # so that only the stop sequence can end it
+    engine = build_engine(model, tokenizer, pm=pm, ignore_eos=True)
     sink = Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 10, stop=("<|im_end|>",), parameters={"force": True}), sink)
     run_until_done(engine, [sink])
@@ -310,8 +281,7 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
 
 def test_the_engine_thread_survives_a_failed_step_and_serves_the_next_request(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, ignore_eos=True)
     engine.runner = flaky = FlakyRunner(engine.runner)
     engine.start()
     try:
@@ -345,8 +315,7 @@ def test_an_engine_that_cannot_recover_reports_unhealthy_and_fails_every_request
 
 def test_stop_fails_queued_and_running_requests(tiny_model):
     model, tokenizer = tiny_model
-    engine = build_engine(model, tokenizer, max_batch_size=1)
-    engine.eos_ids = set()
+    engine = build_engine(model, tokenizer, max_batch_size=1, ignore_eos=True)
     engine.start()
     sinks = [Collector() for _ in range(3)]
     for sink in sinks:

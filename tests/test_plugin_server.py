@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-import httpx
 import pytest
 
 from conftest import start_server

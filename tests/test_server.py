@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
 from conftest import start_server
-
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog",
-    "In 1492, Columbus",
-    "def fibonacci(n):\n    return",
-    "Paris is the capital of",
-    "A",
-    "Once upon a time, in a land far far away, there lived a king who had three daughters",
-    "1, 2, 3, 4,",
-]
-
+from engine_helpers import PROMPTS, reference_greedy
 
 def reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=2)
-    return out[0, ids["input_ids"].shape[1]:].tolist()
+    return reference_greedy(model, tokenizer, prompt, max_new_tokens, eos_token_id=2)
 
 
 def generate(client: httpx.Client, prompt: str, **parameters) -> httpx.Response:
