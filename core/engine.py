@@ -81,6 +81,8 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._broken = False
+        self._closed = False
+        """Set when the loop has ended: later submissions fail at once instead of waiting forever."""
         self._thread: threading.Thread | None = None
 
     # ---- called from the HTTP side -------------------------------------------------
@@ -91,8 +93,11 @@ class Engine:
             seed = request.sampling.seed if request.sampling.seed is not None else new_seed()
         seq = Sequence(request, sink, seed)
         with self._wake:
-            self._incoming.append(seq)
-            self._wake.notify()
+            if not self._closed:
+                self._incoming.append(seq)
+                self._wake.notify()
+                return seq
+        self._emit(seq, ErrorEvent("the engine is not running", "unhealthy"))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -172,6 +177,7 @@ class Engine:
 
     def _fail_everything(self, message: str) -> None:
         with self._wake:
+            self._closed = True
             incoming, self._incoming = self._incoming, []
         waiting = self.queue.drain()
         for seq in self.running + waiting + incoming:
@@ -294,7 +300,8 @@ class Engine:
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> bool:
         state: SequenceState = seq.state
-        choice = state.sampler.choose(seq.prompt_ids + seq.generated_ids, logits)
+        history = seq.prompt_ids + seq.generated_ids if state.sampler.needs_history else []
+        choice = state.sampler.choose(history, logits)
         token_id = choice.token_id
         seq.generated_ids.append(token_id)
         special = token_id in self.special_ids

@@ -50,6 +50,10 @@ class SequenceSampler:
         self.params = params
         self.sampling = uses_sampling(params)
         self.processors = processors
+        self.needs_history = bool(
+            processors or params.frequency_penalty or params.repetition_penalty not in (None, 1.0)
+        )
+        """Whether ``process`` reads the token history (else callers may pass an empty list)."""
         self.top_n = top_n
         self.generator: torch.Generator | None = None
         if self.sampling:

@@ -324,3 +324,6 @@ def test_stop_fails_queued_and_running_requests(tiny_model):
     engine.stop()
     assert all(s.done and isinstance(s.events[-1], ErrorEvent) for s in sinks)
     assert {s.events[-1].message for s in sinks} == {"the server is shutting down"}
+    late = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 5), late)
+    assert isinstance(late.events[-1], ErrorEvent), "a request after the stop fails at once"
