@@ -9,14 +9,13 @@ from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
 from tokenmill.loading import ModelLoadError, resolve
 from tokenmill.logs import setup_logging
-from tokenmill.plugins import PluginError, build_plugin_manager, choose, list_all
+from tokenmill.plugins import PluginError, build_plugin_manager, choose_all, list_all
 
 
 def preflight(config: Config) -> None:
     """Fail before serving on what can be known without loading: plugin choices, model path."""
-    pm = build_plugin_manager()
-    for kind in ("backend", "attention", "scheduler", "kv_allocator"):
-        choose(pm, kind, getattr(config, kind))
+    choose_all(build_plugin_manager(), config.backend, config.attention, config.kv_allocator, config.scheduler,
+               config.block_size)
     resolve(config.model_id, config.revision)
 
 

@@ -39,9 +39,12 @@ class Config:
     payload_limit: int = 2_000_000
     json_output: bool = False
     backend: str = "transformers"
-    attention: str = "sdpa"
+    attention: str | None = None
     scheduler: str = "fifo"
-    kv_allocator: str = "dynamic"
+    kv_allocator: str | None = None
+    block_size: int | None = None
+    kv_memory_fraction: float = 0.3
+    cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
 
     def as_dict(self) -> dict[str, Any]:
@@ -57,7 +60,7 @@ class Config:
                 )
             self.max_input_tokens = self.max_input_length
         positive = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                    "max_batch_total_tokens", "max_batch_size", "payload_limit")
+                    "max_batch_total_tokens", "max_batch_size", "payload_limit", "block_size")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -69,6 +72,9 @@ class Config:
             raise ConfigError(f"--port must be between 0 and 65535 (got {self.port})")
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype!r})")
+        for name in ("kv_memory_fraction", "cuda_memory_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in (0, 1] (got {getattr(self, name)})")
         if self.server not in ("gunicorn", "uvicorn"):
             raise ConfigError(f"--server must be gunicorn or uvicorn (got {self.server!r})")
         total, inputs = self.max_total_tokens, self.max_input_tokens
@@ -131,10 +137,13 @@ _HELP = {
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
     "json_output": "log as JSON lines",
-    "backend": "engine backend plugin",
-    "attention": "attention kernel plugin",
+    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged)",
+    "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",
-    "kv_allocator": "KV-cache allocator plugin",
+    "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
+    "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
+    "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
+    "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }
 

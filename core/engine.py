@@ -19,7 +19,7 @@ import pluggy
 import torch
 
 from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.interfaces import BackendRunner, SchedulerQueue
+from tokenmill.interfaces import BackendRunner, SchedulerQueue, StepBudget
 from tokenmill.sampling import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
 from tokenmill.sequence import (
     FINISH_EOS,
@@ -60,6 +60,11 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def wants_prompt_logits(seq: Sequence) -> bool:
+    """Prompt details are computed once, on the first prefill (not again after a preemption)."""
+    return seq.request.decoder_input_details and not seq.prefill_tokens
+
+
 class Engine:
     def __init__(
         self,
@@ -67,15 +72,23 @@ class Engine:
         queue: SchedulerQueue,
         tokenizer: Any,
         eos_ids: set[int],
+        prefill_budget: int,
         pm: pluggy.PluginManager | None = None,
+        block_size: int = 1,
     ) -> None:
         self.runner = runner
         self.queue = queue
+        self.prefill_budget = prefill_budget
+        self.block_size = block_size
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.pm = pm
         self.running: list[Sequence] = []
+        """Sequences that decode: their whole context is in the KV cache."""
+        self.prefilling: list[Sequence] = []
+        """Admitted sequences whose prompt is prefilled in chunks over several steps."""
+        self.preemptions = 0
         self._incoming: list[Sequence] = []
         self._cancelled: dict[int, Sequence] = {}
         self._wake = threading.Condition()
@@ -113,7 +126,7 @@ class Engine:
 
     @property
     def batch_size(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.prefilling)
 
     @property
     def healthy(self) -> bool:
@@ -156,9 +169,9 @@ class Engine:
                     self.run_once()
                 except Exception:  # noqa: BLE001 - a step that fails must not end the loop
                     log.exception("engine step failed; failing the running batch and starting afresh")
-                    self._fail(self.running, "internal error in the engine step")
+                    self._fail(self.running + self.prefilling, "internal error in the engine step")
                     self.runner.reset()
-                    self.running = []
+                    self.running, self.prefilling = [], []
         except Exception:  # noqa: BLE001 - even recovery failed: stop serving, loudly
             log.exception("the engine cannot recover; /health now reports it")
             self._broken = True
@@ -168,10 +181,10 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the engine is stopping."""
         with self._wake:
-            if not self.running and len(self.queue) and not (self._incoming or self._cancelled):
+            if not self.batch_size and len(self.queue) and not (self._incoming or self._cancelled):
                 # Requests wait but none fits: wait for a change rather than spin.
                 self._wake.wait(0.05)
-            while not self._stopping and not (self._incoming or self._cancelled or self.running or len(self.queue)):
+            while not self._stopping and not (self._incoming or self._cancelled or self.batch_size or len(self.queue)):
                 self._wake.wait()
             return not self._stopping
 
@@ -180,9 +193,9 @@ class Engine:
             self._closed = True
             incoming, self._incoming = self._incoming, []
         waiting = self.queue.drain()
-        for seq in self.running + waiting + incoming:
+        for seq in self.running + self.prefilling + waiting + incoming:
             self._emit(seq, ErrorEvent(message, "unhealthy"))
-        self.running = []
+        self.running, self.prefilling = [], []
 
     def run_once(self) -> None:
         """Take the requests and cancellations the HTTP side handed over, then run one step."""
@@ -202,41 +215,99 @@ class Engine:
         self._release(list(cancelled.values()))
 
     def step(self) -> None:
-        """One engine step: admit and prefill newcomers, then decode the batch."""
-        newcomers = self.queue.admit(self.running)
-        if newcomers:
-            self._admit(newcomers)
+        """One engine step: prefill (newcomers, and chunks of long prompts), then decode the batch."""
+        plan = self._plan_prefill()
+        if plan:
+            self._prefill(plan)
+        self._make_room_for_decode()
         if self.running:
             self._decode()
 
-    def _admit(self, seqs: list[Sequence]) -> None:
-        now = time.monotonic()
-        ready = []
-        for seq in seqs:
-            try:
-                seq.admitted_at = now
-                seq.state = self._new_state(seq)
-                ready.append(seq)
-            except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
-                self._fail([seq], f"could not start the request: {error}")
+    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
+        """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
+        budget = self.prefill_budget
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            chunk = self._chunk(seq, budget)
+            if chunk:
+                plan.append((seq, chunk))
+                budget -= chunk
+        if budget <= 0:
+            return plan
+        step_budget = StepBudget(budget, self.runner.chunked_prefill, self.runner.kv_free_tokens(), self.block_size)
+        for seq in self.queue.admit(self.running + self.prefilling, step_budget):
+            if not self._start(seq):
+                continue
+            self.prefilling.append(seq)
+            chunk = self._chunk(seq, budget)
+            if chunk:
+                plan.append((seq, chunk))
+                budget -= chunk
+        return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s pending tokens to prefill with ``budget`` left (0: next step)."""
+        whole = seq.pending_len
+        if self.runner.chunked_prefill and not wants_prompt_logits(seq):
+            return max(0, min(whole, budget))
+        # All at once. One that could never fit a step's budget runs oversized rather than wait forever.
+        return whole if whole <= budget or whole > self.prefill_budget else 0
+
+    def _start(self, seq: Sequence) -> bool:
+        """Give an admitted sequence its sampling state (kept across preemptions)."""
+        seq.admitted_at = time.monotonic()
+        if seq.state is not None:
+            return True
+        try:
+            seq.state = self._new_state(seq)
+            return True
+        except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
+            self._fail([seq], f"could not start the request: {error}")
+            return False
+
+    def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
         # Prompt details need the logits of every prompt position: prefill those alone so that
         # one request's option never multiplies the memory of the others' prefill.
-        plain = [s for s in ready if not s.request.decoder_input_details]
-        for group in ([plain] if plain else []) + [[s] for s in ready if s.request.decoder_input_details]:
-            self._prefill(group)
+        plain = [(s, n) for s, n in plan if not wants_prompt_logits(s)]
+        groups = ([plain] if plain else []) + [[(s, n)] for s, n in plan if wants_prompt_logits(s)]
+        for group in groups:
+            self._prefill_group([s for s, _ in group], [n for _, n in group])
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _prefill_group(self, seqs: list[Sequence], chunks: list[int]) -> None:
+        want = [wants_prompt_logits(s) for s in seqs]
         try:
-            out = self.runner.prefill(seqs, [s.request.decoder_input_details for s in seqs])
+            out = self.runner.prefill(seqs, chunks, want)
         except Exception as error:  # noqa: BLE001
             log.exception("prefill failed")
             self._fail(seqs, f"prefill failed: {type(error).__name__}: {error}")
             return
-        self.running.extend(seqs)
-        for seq, logits in zip(seqs, out.prompt_logits):
+        done, done_rows = [], []
+        for row, (seq, chunk, logits) in enumerate(zip(seqs, chunks, out.prompt_logits)):
+            seq.num_computed += chunk
             if logits is not None:
                 seq.prefill_tokens = self._prompt_tokens(seq.prompt_ids, logits)
-        self._advance(seqs, out.last_logits)
+            if seq.pending_len == 0:
+                done.append(seq)
+                done_rows.append(row)
+        if done:
+            finished_ids = {s.id for s in done}
+            self.prefilling = [s for s in self.prefilling if s.id not in finished_ids]
+            self.running.extend(done)
+            self._advance(done, out.last_logits[done_rows])
+
+    def _make_room_for_decode(self) -> None:
+        """Preempt the newest sequences until KV memory holds one more token for each running one."""
+        while self.running and not self.runner.can_decode(self.running):
+            victim = max(self.running + self.prefilling, key=lambda s: (s.admitted_at or 0.0, s.id))
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
+        self._release([seq])
+        seq.num_computed = 0
+        self.queue.requeue(seq)
+        self.preemptions += 1
+        log.info("preempted sequence %d (%d tokens) to free KV memory", seq.id, seq.total_len)
 
     def _decode(self) -> None:
         batch = list(self.running)
@@ -285,6 +356,7 @@ class Engine:
         self.runner.release(seqs)
         leaving = {s.id for s in seqs}
         self.running = [s for s in self.running if s.id not in leaving]
+        self.prefilling = [s for s in self.prefilling if s.id not in leaving]
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

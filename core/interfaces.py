@@ -7,7 +7,7 @@ implementation can run on this machine, else why not ("needs CUDA").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -29,11 +29,26 @@ class Implementation:
 
 
 class AttentionKernel(Implementation):
-    """An attention implementation the model's layers call."""
+    """An attention implementation the model's layers call.
+
+    For the ``padded`` layout it names one of transformers' own implementations
+    (``transformers_name``); for the ``paged`` layout it computes attention over
+    the blocks of a :class:`BlockPool` (``paged_attention``).
+    """
 
     kind = "attention"
+    layouts: tuple[str, ...] = ("padded",)
     transformers_name: str = ""
-    """The ``attn_implementation`` value transformers knows this kernel by."""
+    """The ``attn_implementation`` value transformers knows this kernel by (padded layout)."""
+    block_size_multiple: int = 1
+    """Block sizes this kernel accepts must be multiples of this (paged layout)."""
+
+    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        step: PagedStep, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+        """Causal attention of a packed step: ``query`` is ``[tokens, heads, dim]``; the caches are
+        ``[blocks, block_size, kv_heads, dim]`` and already hold this step's keys and values; a
+        ``sliding_window`` limits each query to that many latest positions. Returns ``[tokens, heads, dim]``."""
+        raise NotImplementedError
 
 
 @runtime_checkable
@@ -47,14 +62,41 @@ class PaddedKVCache(Protocol):
     def nbytes(self, cache: Any) -> int: ...
 
 
+@runtime_checkable
+class BlockPool(Protocol):
+    """KV storage in fixed-size blocks shared by all sequences (the paged layout)."""
+
+    block_size: int
+    num_blocks: int
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value blocks of one layer, each ``[blocks, block_size, kv_heads, dim]``."""
+        ...
+
+    def free_blocks(self) -> int: ...
+    def blocks_of(self, seq_id: int) -> list[int]: ...
+    def reserve(self, seq_id: int, tokens: int) -> bool:
+        """Make the sequence's blocks hold ``tokens`` positions; False (nothing taken) when the pool is short."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """Return the sequence's blocks to the free list (shared ones when their last user lets go)."""
+        ...
+
+    def free_all(self) -> None: ...
+    def bytes_per_block(self) -> int: ...
+
+
 class KVAllocator(Implementation):
     """Owns the memory of the KV cache; ``create`` returns the backend-facing store."""
 
     kind = "kv_allocator"
     layout: str = "padded"
-    """The layout this allocator serves: ``padded`` for the transformers backend."""
+    """The layout this allocator serves: ``padded`` (transformers backend) or ``paged``."""
 
-    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device) -> PaddedKVCache:
+    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
+               block_size: int) -> PaddedKVCache | BlockPool:
+        """The store for one model; a paged pool holds ``max_tokens`` positions in ``block_size`` blocks."""
         raise NotImplementedError
 
 
@@ -70,14 +112,32 @@ class BatchLimits:
     prompts costs n × the longest of them (TGI counts it the same way)."""
 
 
+@dataclass(frozen=True)
+class StepBudget:
+    """What one engine step can still take in, as the engine sees it when it asks to admit."""
+
+    prefill_tokens: int
+    """Prompt tokens this step can still prefill."""
+    chunked: bool
+    """Whether a prompt longer than ``prefill_tokens`` may start now and go on in later steps."""
+    kv_free_tokens: int | None
+    """KV positions free now (paged); None when KV memory follows ``max_batch_total_tokens``."""
+    block_size: int = 1
+
+
 class SchedulerQueue(Protocol):
-    """The waiting queue of one engine. Called from the engine thread only."""
+    """The waiting queue of one engine. Called from the engine thread only (``__len__`` from anywhere)."""
 
     def add(self, seq: Sequence) -> None: ...
+    def requeue(self, seq: Sequence) -> None:
+        """Put a preempted sequence back, ahead of those that never ran."""
+        ...
+
     def remove(self, seq: Sequence) -> bool: ...
     def __len__(self) -> int: ...
-    def admit(self, running: list[Sequence]) -> list[Sequence]:
-        """The waiting sequences to prefill now, removed from the queue."""
+    def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
+        """The waiting sequences to start prefilling now, removed from the queue.
+        ``holding`` are the sequences that already hold KV memory."""
         ...
 
     def drain(self) -> list[Sequence]:
@@ -95,24 +155,60 @@ class Scheduler(Implementation):
 
 
 @dataclass
+class PagedStep:
+    """The layout of one packed forward pass, built once per step and read by every layer."""
+
+    pool: BlockPool
+    kernel: AttentionKernel
+    slot_mapping: torch.Tensor
+    """``[tokens]``: the flat KV slot (block × block_size + offset) of each token of the step."""
+    query_starts: list[int]
+    """Per sequence, where its tokens start in the packed step."""
+    query_lens: list[int]
+    context_lens: list[int]
+    """Per sequence, its positions in the cache after this step (the keys its queries see)."""
+    block_tables: torch.Tensor
+    """``[sequences, max_blocks]`` int32, padded with 0."""
+    max_context_len: int
+    scratch: dict[str, Any] = field(default_factory=dict)
+    """Where a kernel keeps what it derives once per step (index tensors, masks) for every layer."""
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+@dataclass
 class PrefillOutput:
-    """What a backend returns for newly admitted sequences."""
+    """What a backend returns for the sequences it prefilled this step."""
 
     last_logits: torch.Tensor
-    """``[n, vocab]``: the logits after each sequence's last prompt token."""
+    """``[n, vocab]``: the logits after each sequence's last token of this step."""
     prompt_logits: list[torch.Tensor | None]
-    """Per sequence, ``[prompt_len, vocab]`` logits when it asked for prompt details."""
+    """Per sequence, ``[chunk, vocab]`` logits when it asked for prompt details."""
 
 
 class BackendRunner(Protocol):
     """A loaded model that runs engine steps. Called from the engine thread only."""
 
-    def prefill(self, seqs: list[Sequence], want_prompt_logits: list[bool]) -> PrefillOutput:
-        """Run the prompts of ``seqs`` and add them to the running batch."""
+    chunked_prefill: bool
+    """Whether ``prefill`` accepts part of a prompt (the rest follows in later steps)."""
+
+    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
+        """Compute the next ``chunks[i]`` uncomputed tokens of each sequence (its prompt, and after a
+        preemption the tokens it had generated) and keep their KV."""
         ...
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token step for every running sequence: ``[len(seqs), vocab]`` logits, in order."""
+        ...
+
+    def can_decode(self, seqs: list[Sequence]) -> bool:
+        """Whether KV memory holds one more token for each of ``seqs`` (else the engine preempts)."""
+        ...
+
+    def kv_free_tokens(self) -> int | None:
+        """KV positions free now, or None when memory is not counted in blocks."""
         ...
 
     def release(self, seqs: list[Sequence]) -> None:
@@ -123,8 +219,8 @@ class BackendRunner(Protocol):
         """Forget every sequence: the engine's recovery after a step failed half-way."""
         ...
 
-    def kv_bytes(self) -> int:
-        """Bytes of KV memory held now."""
+    def kv_usage(self) -> dict[str, int]:
+        """KV memory now: ``bytes`` held, and for a block pool ``blocks_used`` and ``blocks_total``."""
         ...
 
 
@@ -133,7 +229,10 @@ class Backend(Implementation):
 
     kind = "backend"
     kv_layout: str = "padded"
-    """The KV layout this backend needs from the allocator."""
+    """The KV layout this backend needs from the allocator and the attention kernel."""
+    default_attention: str = "sdpa"
+    default_kv_allocator: str = "dynamic"
 
-    def create(self, model: Any, kv_store: PaddedKVCache) -> BackendRunner:
+    def create(self, model: Any, kv_store: Any, attention: AttentionKernel) -> BackendRunner:
+        """A runner for ``model``; raises ValueError with a one-line reason for a model it cannot run."""
         raise NotImplementedError

@@ -18,10 +18,16 @@ ENTRY_POINT_GROUP = "tokenmill"
 
 BUILTIN_PLUGINS = (
     "tokenmill_plugins.backends.transformers",
+    "tokenmill_plugins.backends.paged",
     "tokenmill_plugins.attention.torch_kernels",
+    "tokenmill_plugins.attention.flash",
     "tokenmill_plugins.schedulers.fifo",
     "tokenmill_plugins.kv.dynamic",
+    "tokenmill_plugins.kv.paged",
 )
+
+AUTO_BACKENDS = ("flash", "paged")
+"""What ``--backend auto`` tries, in order: the first that can run here."""
 
 KIND_HOOKS = {
     "backend": "tokenmill_backends",
@@ -90,8 +96,13 @@ def list_all(pm: pluggy.PluginManager) -> list[Offered]:
 def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
     """The implementation of ``kind`` called ``name``, or a PluginError listing the choices."""
     candidates = offered(pm, kind)
+    if kind == "backend" and name == "auto":
+        for auto_name in AUTO_BACKENDS:
+            for implementation, _source in candidates:
+                if implementation.name == auto_name and implementation.unavailable_reason() is None:
+                    return implementation
     flag = "--" + kind.replace("_", "-")
-    names = ", ".join(sorted({impl.name for impl, _ in candidates})) or "none"
+    names = ", ".join(sorted({impl.name for impl, _ in candidates} | ({"auto"} if kind == "backend" else set())))
     for implementation, _source in candidates:
         if implementation.name == name:
             reason = implementation.unavailable_reason()
@@ -99,3 +110,37 @@ def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
                 raise PluginError(f"{flag} {name} is not available here: {reason} (choices: {names})")
             return implementation
     raise PluginError(f"unknown {flag} {name!r} (choices: {names})")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The plugins one server runs with, checked to fit each other."""
+
+    backend: Implementation
+    attention: Implementation
+    kv_allocator: Implementation
+    scheduler: Implementation
+    block_size: int
+
+
+def choose_all(pm: pluggy.PluginManager, backend: str, attention: str | None, kv_allocator: str | None,
+               scheduler: str, block_size: int | None) -> Chosen:
+    """Resolve every plugin flag; unset attention and KV allocator follow the backend's defaults."""
+    chosen_backend = choose(pm, "backend", backend)
+    layout = chosen_backend.kv_layout  # type: ignore[attr-defined]
+    chosen_attention = choose(pm, "attention", attention or chosen_backend.default_attention)  # type: ignore[attr-defined]
+    if layout not in chosen_attention.layouts:  # type: ignore[attr-defined]
+        fitting = sorted(impl.name for impl, _ in offered(pm, "attention") if layout in impl.layouts)  # type: ignore[attr-defined]
+        raise PluginError(f"--attention {chosen_attention.name} cannot serve the {layout} layout of --backend "
+                          f"{chosen_backend.name} (choices: {', '.join(fitting)})")
+    chosen_kv = choose(pm, "kv_allocator", kv_allocator or chosen_backend.default_kv_allocator)  # type: ignore[attr-defined]
+    if chosen_kv.layout != layout:  # type: ignore[attr-defined]
+        fitting = sorted(impl.name for impl, _ in offered(pm, "kv_allocator") if impl.layout == layout)  # type: ignore[attr-defined]
+        raise PluginError(f"--kv-allocator {chosen_kv.name} cannot serve the {layout} layout of --backend "
+                          f"{chosen_backend.name} (choices: {', '.join(fitting)})")
+    multiple = chosen_attention.block_size_multiple  # type: ignore[attr-defined]
+    size = block_size or max(16, multiple)
+    if size % multiple:
+        raise PluginError(f"--block-size {size} is not a multiple of {multiple}, which --attention "
+                          f"{chosen_attention.name} needs")
+    return Chosen(chosen_backend, chosen_attention, chosen_kv, choose(pm, "scheduler", scheduler), size)

@@ -105,6 +105,8 @@ class Sequence:
         self.seed = seed
         self.prompt_ids: list[int] = list(request.input_ids)
         self.generated_ids: list[int] = []
+        self.num_computed = 0
+        """Tokens whose keys and values the backend holds; a preemption sets it back to 0."""
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []
@@ -118,6 +120,20 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.generated_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt and the tokens generated so far."""
+        return self.prompt_ids + self.generated_ids
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens still to prefill before it can decode."""
+        return self.total_len - self.num_computed
 
     @property
     def max_tokens(self) -> int:

@@ -26,8 +26,9 @@ from tokenmill import __version__
 from tokenmill.config import Config
 from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
+from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.plugins import build_plugin_manager, choose
+from tokenmill.plugins import Chosen, build_plugin_manager, choose_all
 from tokenmill.sequence import ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.validation import ValidationError, parse_body, validate_generate
 
@@ -47,6 +48,37 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
+
+
+def available_memory_bytes() -> int:
+    """RAM available now (Linux MemAvailable), or total physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> int:
+    """How many positions the KV pool holds when --max-batch-total-tokens is not given:
+    the memory left after loading, within the configured fraction."""
+    import torch
+
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
+    else:
+        budget = available_memory_bytes() * config.kv_memory_fraction
+    per_token = bytes_per_token(model_config, loaded.dtype)
+    context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
+    tokens = int(max(0, budget) // per_token)
+    ceiling = 64 * (config.max_total_tokens or context)  # enough for 64 full-length sequences
+    log.info("KV pool: %d positions (%.0f MiB of %.0f MiB allowed)", min(tokens, ceiling),
+             min(tokens, ceiling) * per_token / 2**20, budget / 2**20)
+    return min(tokens, ceiling)
 
 
 class Slot:
@@ -72,6 +104,7 @@ class ServerState:
             stage=stage, seconds=seconds, detail=detail))
         self.loaded: LoadedModel | None = None
         self.engine: Engine | None = None
+        self.chosen: Chosen | None = None
         self.vocab_size = 0
         self.in_flight = 0
         self.request_ids = itertools.count(1)
@@ -83,38 +116,49 @@ class ServerState:
 
     def load(self) -> None:
         config = self.config
-        attention = choose(self.pm, "attention", config.attention)
-        backend = choose(self.pm, "backend", config.backend)
-        scheduler = choose(self.pm, "scheduler", config.scheduler)
-        kv_allocator = choose(self.pm, "kv_allocator", config.kv_allocator)
-        if kv_allocator.layout != backend.kv_layout:
-            raise ModelLoadError(f"--kv-allocator {kv_allocator.name} serves the {kv_allocator.layout} layout but "
-                                 f"--backend {backend.name} needs {backend.kv_layout}")
-        loaded = load_model(config.model_id, config.revision, config.dtype, attention.transformers_name,
+        chosen = choose_all(self.pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
+                            config.block_size)
+        self.chosen = chosen
+        loaded = load_model(config.model_id, config.revision, config.dtype, self._padded_attention(chosen),
                             config.trust_remote_code, self.stages)
         model_config = loaded.model.config
         context = getattr(model_config, "max_position_embeddings", None)
+        paged = chosen.backend.kv_layout == "paged"
+        if paged and config.max_batch_total_tokens is None:
+            config.max_batch_total_tokens = kv_pool_tokens(config, model_config, loaded)
         config.resolve_limits(context)
         assert config.max_total_tokens and config.max_input_tokens
+        assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
         if context and config.max_total_tokens > context:
             log.warning("--max-total-tokens %d exceeds the model's context of %d positions",
                         config.max_total_tokens, context)
-        runner = backend.create(loaded.model, kv_allocator.create(model_config, loaded.dtype, loaded.device))
-        assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
-        queue = scheduler.create(BatchLimits(
+        kv_store = chosen.kv_allocator.create(model_config, loaded.dtype, loaded.device,
+                                              config.max_batch_total_tokens, chosen.block_size)
+        try:
+            runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
+        queue = chosen.scheduler.create(BatchLimits(
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_total_tokens=config.max_batch_total_tokens,
             max_batch_size=config.max_batch_size,
-            padded=backend.kv_layout == "padded",
+            padded=not paged,
         ))
-        engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), self.pm)
+        engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
+                        config.max_batch_prefill_tokens, self.pm, chosen.block_size if paged else 1)
         self.vocab_size = loaded.model.get_input_embeddings().num_embeddings
         warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
         self.stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(self.vocab_size, len(loaded.tokenizer))))
         self.loaded = loaded
         engine.start()
         self.engine = engine
-        log.info("ready: %s on %s (%s backend)", loaded.model_id, loaded.device, backend.name)
+        log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
+                 chosen.backend.name, chosen.attention.name)
+
+    @staticmethod
+    def _padded_attention(chosen: Chosen) -> str:
+        """The attn_implementation to load with: the kernel's own, or sdpa until a paged backend takes over."""
+        return chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
 
     def load_or_exit(self) -> None:
         try:
@@ -453,6 +497,32 @@ class TokenizeRoute:
         ]
 
 
+class MetricsRoute:
+    """Prometheus text exposition of the engine's state (TGI's names where TGI has one)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        engine = self.state.engine
+        gauges: dict[str, tuple[str, float]] = {
+            "tgi_queue_size": ("requests waiting for the batch", engine.queue_size if engine else 0),
+            "tgi_batch_current_size": ("sequences in the running batch", engine.batch_size if engine else 0),
+            "tokenmill_requests_in_flight": ("requests holding a concurrency slot", self.state.in_flight),
+            "tokenmill_preemptions_total": ("sequences preempted to free KV memory", engine.preemptions if engine else 0),
+        }
+        usage = engine.runner.kv_usage() if engine else {}
+        gauges["tokenmill_kv_cache_bytes"] = ("bytes of KV cache held", usage.get("bytes", 0))
+        if "blocks_total" in usage:
+            gauges["tokenmill_kv_blocks_used"] = ("KV blocks in use", usage["blocks_used"])
+            gauges["tokenmill_kv_blocks_free"] = ("KV blocks free", usage["blocks_total"] - usage["blocks_used"])
+        lines = []
+        for name, (help_text, value) in gauges.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        resp.content_type = "text/plain; version=0.0.4"
+        resp.text = "\n".join(lines) + "\n"
+
+
 class HealthRoute:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -491,10 +561,12 @@ class InfoRoute:
             "version": __version__,
             "sha": None,
             "docker_label": os.environ.get("DOCKER_LABEL"),
-            "backend": config.backend,
-            "attention": config.attention,
+            "backend": state.chosen.backend.name if state.chosen else config.backend,
+            "attention": state.chosen.attention.name if state.chosen else config.attention,
             "scheduler": config.scheduler,
-            "kv_allocator": config.kv_allocator,
+            "kv_allocator": state.chosen.kv_allocator.name if state.chosen else config.kv_allocator,
+            "block_size": state.chosen.block_size if state.chosen and state.chosen.backend.kv_layout == "paged" else None,
+            "kv": state.engine.runner.kv_usage() if state.engine else None,
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
             "load_stages": state.stages.done,
@@ -545,6 +617,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/tokenize", TokenizeRoute(state))
     app.add_route("/health", HealthRoute(state))
     app.add_route("/info", InfoRoute(state))
+    app.add_route("/metrics", MetricsRoute(state))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ApiError, handle_api_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)

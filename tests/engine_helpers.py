@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
-from tokenmill.plugins import build_plugin_manager, choose
+from tokenmill.plugins import build_plugin_manager, choose_all
 from tokenmill.sequence import Event, GenerationRequest, SamplingParams, TokenEvent
 
 
@@ -36,21 +36,22 @@ def reference_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: in
 
 
 def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, ignore_eos: bool = False,
-                 **limits: Any) -> Engine:
-    """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens."""
+                 backend: str = "transformers", block_size: int = 16, **limits: Any) -> Engine:
+    """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens.
+
+    The paged backend takes over the model's attention: give it a model of its own."""
     pm = pm or build_plugin_manager(autoload=False)
-    backend = choose(pm, "backend", "transformers")
-    kv = choose(pm, "kv_allocator", "dynamic")
-    scheduler = choose(pm, "scheduler", "fifo")
-    batch_limits = BatchLimits(
-        max_batch_prefill_tokens=limits.get("max_batch_prefill_tokens", 4096),
-        max_batch_total_tokens=limits.get("max_batch_total_tokens", 65536),
-        max_batch_size=limits.get("max_batch_size"),
-        padded=True,
-    )
-    runner = backend.create(model, kv.create(model.config, model.dtype, model.device))
+    chosen = choose_all(pm, backend, None, None, "fifo", block_size)
+    paged = chosen.backend.kv_layout == "paged"
+    total = limits.get("max_batch_total_tokens", 65536)
+    prefill = limits.get("max_batch_prefill_tokens", 4096)
+    batch_limits = BatchLimits(max_batch_prefill_tokens=prefill, max_batch_total_tokens=total,
+                               max_batch_size=limits.get("max_batch_size"), padded=not paged)
+    store = chosen.kv_allocator.create(model.config, model.dtype, model.device, total, chosen.block_size)
+    runner = chosen.backend.create(model, store, chosen.attention)
     eos = set() if ignore_eos else eos_token_ids(model, tokenizer)
-    return Engine(runner, scheduler.create(batch_limits), tokenizer, eos, pm)
+    return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm,
+                  chosen.block_size if paged else 1)
 
 
 def greedy_request(tokenizer: Any, prompt: str, max_new_tokens: int, **extra: Any) -> GenerationRequest:

@@ -14,8 +14,8 @@ def test_tgi_defaults():
     config = parse_config([], env={})
     assert (config.max_concurrent_requests, config.max_best_of, config.max_stop_sequences,
             config.max_top_n_tokens, config.port, config.hostname) == (128, 2, 4, 5, 3000, "0.0.0.0")
-    assert (config.backend, config.attention, config.scheduler, config.kv_allocator) == (
-        "transformers", "sdpa", "fifo", "dynamic")
+    assert (config.backend, config.attention, config.scheduler, config.kv_allocator, config.block_size) == (
+        "transformers", None, "fifo", None, None), "attention, KV allocator and block size follow the backend"
 
 
 def test_every_flag_reads_its_upper_snake_case_environment_variable():
@@ -73,8 +73,12 @@ def run_launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 @pytest.mark.parametrize("args, env, expected", [
     (["--max-input-tokens", "10", "--max-total-tokens", "5"], None, "must be greater than --max-input-tokens"),
-    (["--backend", "warp-drive"], None, "unknown --backend 'warp-drive' (choices: transformers)"),
-    (["--attention", "nope"], None, "unknown --attention 'nope' (choices: eager, sdpa)"),
+    (["--backend", "warp-drive"], None, "unknown --backend 'warp-drive' (choices: auto, flash, paged, transformers)"),
+    (["--backend", "flash"], None, "--backend flash is not available here: needs CUDA"),
+    (["--backend", "paged", "--attention", "eager"], None, "--attention eager cannot serve the paged layout of --backend paged (choices: flash, sdpa)"),
+    (["--backend", "paged", "--kv-allocator", "dynamic"], None, "--kv-allocator dynamic cannot serve the paged layout"),
+    (["--backend", "transformers", "--attention", "flash"], None, "--attention flash is not available here"),
+    (["--attention", "nope"], None, "unknown --attention 'nope' (choices: eager, flash, sdpa)"),
     (["--model-id", "/no/such/model"], None, "is not a local directory or .gguf file and is not in the local Hugging Face cache"),
     ([], {"MAX_TOTAL_TOKENS": "lots"}, "MAX_TOTAL_TOKENS='lots' is not a valid int"),
 ])

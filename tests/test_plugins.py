@@ -42,7 +42,7 @@ def test_builtin_implementations_of_each_kind_are_listed():
 
 
 def test_unknown_name_is_an_error_listing_the_choices():
-    with pytest.raises(PluginError, match=r"unknown --backend 'nope' \(choices: transformers\)"):
+    with pytest.raises(PluginError, match=r"unknown --backend 'nope' \(choices: auto, flash, paged, transformers\)"):
         choose(build_plugin_manager(autoload=False), "backend", "nope")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import tokenmill
-from tokenmill.interfaces import Backend, BackendRunner, PaddedKVCache, PrefillOutput
+from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput
 from tokenmill.sequence import Sequence
 
 
@@ -33,6 +33,8 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 class TransformersRunner(BackendRunner):
+    chunked_prefill = False
+
     def __init__(self, model: Any, kv: PaddedKVCache) -> None:
         self.model = model
         self.kv = kv
@@ -46,12 +48,19 @@ class TransformersRunner(BackendRunner):
     def reset(self) -> None:
         self.rows, self.cache, self.mask = [], None, None
 
-    def kv_bytes(self) -> int:
-        return self.kv.nbytes(self.cache)
+    def kv_usage(self) -> dict[str, int]:
+        return {"bytes": self.kv.nbytes(self.cache)}
+
+    def kv_free_tokens(self) -> None:
+        return None  # memory follows --max-batch-total-tokens, reserved at admission
+
+    def can_decode(self, seqs: list[Sequence]) -> bool:
+        return True
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], want_prompt_logits: list[bool]) -> PrefillOutput:
-        ids, mask = _left_padded([s.prompt_ids for s in seqs], self.pad_id)
+    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
+        assert all(chunk == s.pending_len == s.total_len for s, chunk in zip(seqs, chunks)), "whole prompts only"
+        ids, mask = _left_padded([s.token_ids for s in seqs], self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self.kv.new_cache(self.model.config)
         keep_all = any(want_prompt_logits)
@@ -67,7 +76,7 @@ class TransformersRunner(BackendRunner):
         result = PrefillOutput(
             last_logits=logits[:, -1, :].float().cpu(),
             prompt_logits=[
-                logits[row, -seq.prompt_len :].float().cpu() if want_prompt_logits[row] else None
+                logits[row, -seq.total_len :].float().cpu() if want_prompt_logits[row] else None
                 for row, seq in enumerate(seqs)
             ],
         )
@@ -133,7 +142,10 @@ class TransformersBackend(Backend):
     kv_layout = "padded"
     description = "the model's own forward and cache in a left-padded batch (any AutoModelForCausalLM)"
 
-    def create(self, model: Any, kv_store: PaddedKVCache) -> BackendRunner:
+    default_attention = "sdpa"
+    default_kv_allocator = "dynamic"
+
+    def create(self, model: Any, kv_store: PaddedKVCache, attention: AttentionKernel) -> BackendRunner:
         return TransformersRunner(model, kv_store)
 
 

@@ -69,8 +69,9 @@ class DynamicKVAllocator(KVAllocator):
     layout = "padded"
     description = "transformers' DynamicCache in a left-padded batch (the HF cache)"
 
-    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device) -> PaddedKVCache:
-        return DynamicPaddedCache()
+    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
+               block_size: int) -> PaddedKVCache:
+        return DynamicPaddedCache()  # grows with the batch: admission keeps it within max_tokens
 
 
 @tokenmill.hookimpl

@@ -1,0 +1,164 @@
+"""The ``paged`` and ``flash`` backends: packed steps over a block pool, on the unmodified model.
+
+Each step packs the tokens of every scheduled sequence (prefill chunks and single
+decode tokens) into one row, with each token's own position. The model runs with
+transformers' attention routed, through ``AttentionInterface``, to
+:func:`paged_attention_forward`: it writes the step's keys and values into the
+sequences' blocks and lets the attention kernel plugin attend, per sequence, over
+its own blocks. Any model whose layers use that interface runs this way.
+``flash`` is the same backend with the flash-attn kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+import tokenmill
+from tokenmill.accelerators import flash_attn_unavailable_reason
+from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput
+from tokenmill.sequence import Sequence
+
+ATTENTION_NAME = "tokenmill_paged"
+
+
+def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                            paged_step: PagedStep | None = None, sliding_window: int | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: ``query`` ``[1, heads, tokens, dim]``, ``key``/``value``
+    ``[1, kv_heads, tokens, dim]`` for this step's tokens; returns ``[1, tokens, heads, dim]``."""
+    if paged_step is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a tokenmill paged step")
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention logit soft-capping and sinks are not supported by the paged backend")
+    key_cache, value_cache = paged_step.pool.layer(module.layer_idx)
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
+                                            sliding_window)
+    return out.unsqueeze(0).to(query.dtype), None
+
+
+class PagedRunner(BackendRunner):
+    chunked_prefill = True
+
+    def __init__(self, model: Any, pool: BlockPool, kernel: AttentionKernel) -> None:
+        self.model = model
+        self.pool = pool
+        self.kernel = kernel
+        self.device = next(model.parameters()).device
+
+    def kv_free_tokens(self) -> int:
+        return self.pool.free_blocks() * self.pool.block_size
+
+    def kv_usage(self) -> dict[str, int]:
+        used = self.pool.num_blocks - self.pool.free_blocks()
+        return {"bytes": used * self.pool.bytes_per_block(), "blocks_used": used, "blocks_total": self.pool.num_blocks}
+
+    def _blocks_short(self, seq: Sequence, tokens: int) -> int:
+        return max(0, -(-tokens // self.pool.block_size) - len(self.pool.blocks_of(seq.id)))
+
+    def can_decode(self, seqs: list[Sequence]) -> bool:
+        return sum(self._blocks_short(s, s.total_len) for s in seqs) <= self.pool.free_blocks()
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.pool.free(seq.id)
+
+    def reset(self) -> None:
+        self.pool.free_all()
+
+    def _reserve(self, seq: Sequence, tokens: int) -> None:
+        if not self.pool.reserve(seq.id, tokens):
+            raise MemoryError(f"the KV pool has no free block for sequence {seq.id} ({tokens} tokens)")
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
+        for seq in seqs:
+            self._reserve(seq, seq.total_len)  # the whole context at once: later chunks never wait for blocks
+        starts = [s.num_computed for s in seqs]
+        step, input_ids, positions = self._pack(seqs, starts, chunks)
+        keep = [torch.arange(s, s + n) if want else torch.tensor([s + n - 1])
+                for s, n, want in zip(step.query_starts, chunks, want_prompt_logits)]
+        logits = self._forward(input_ids, positions, step, torch.cat(keep))
+        rows = torch.cumsum(torch.tensor([len(k) for k in keep]), 0) - 1
+        prompt_logits: list[torch.Tensor | None] = []
+        for row, (want, n) in enumerate(zip(want_prompt_logits, chunks)):
+            prompt_logits.append(logits[int(rows[row]) - n + 1 : int(rows[row]) + 1] if want else None)
+        return PrefillOutput(last_logits=logits[rows], prompt_logits=prompt_logits)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        for seq in seqs:
+            self._reserve(seq, seq.total_len)
+        step, input_ids, positions = self._pack(seqs, [s.total_len - 1 for s in seqs], [1] * len(seqs))
+        return self._forward(input_ids, positions, step, torch.arange(len(seqs)))
+
+    def _pack(self, seqs: list[Sequence], starts: list[int], lengths: list[int]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
+        """The packed row of this step's tokens, their positions, and where their KV goes."""
+        block_size = self.pool.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[torch.Tensor] = []
+        query_starts: list[int] = []
+        tables = [self.pool.blocks_of(s.id) for s in seqs]
+        for seq, start, length, table in zip(seqs, starts, lengths, tables):
+            query_starts.append(len(tokens))
+            is_last_token = start == seq.total_len - 1
+            tokens.extend([seq.last_token] if is_last_token else seq.token_ids[start : start + length])
+            span = torch.arange(start, start + length)
+            positions.extend(range(start, start + length))
+            slots.append(torch.tensor(table)[span // block_size] * block_size + span % block_size)
+        widest = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(seqs), widest), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        context = [start + length for start, length in zip(starts, lengths)]
+        step = PagedStep(
+            pool=self.pool, kernel=self.kernel, slot_mapping=torch.cat(slots).to(self.device),
+            query_starts=query_starts, query_lens=list(lengths), context_lens=context,
+            block_tables=block_tables.to(self.device), max_context_len=max(context),
+        )
+        as_row = lambda values: torch.tensor([values], dtype=torch.long, device=self.device)  # noqa: E731
+        return step, as_row(tokens), as_row(positions)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
+                 keep: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         logits_to_keep=keep.to(self.device), paged_step=step)
+        return out.logits[0].float().cpu()
+
+
+class PagedBackend(Backend):
+    name = "paged"
+    kv_layout = "paged"
+    default_attention = "sdpa"
+    default_kv_allocator = "paged"
+    description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
+
+    def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
+                             "AttentionInterface, so the paged backend cannot run it; use --backend transformers")
+        AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+        model.set_attn_implementation(ATTENTION_NAME)
+        return PagedRunner(model, kv_store, attention)
+
+
+class FlashBackend(PagedBackend):
+    name = "flash"
+    default_attention = "flash"
+    description = "the paged backend with flash-attn's variable-length kernels (CUDA)"
+
+    def unavailable_reason(self) -> str | None:
+        return flash_attn_unavailable_reason()
+
+
+@tokenmill.hookimpl
+def tokenmill_backends() -> list[Backend]:
+    return [PagedBackend(), FlashBackend()]

@@ -1,0 +1,99 @@
+"""The ``paged`` KV allocator: one pool of fixed-size blocks per layer, shared by all sequences.
+
+A sequence owns a block table (its blocks in order); blocks come off a free list
+as it grows and go back the moment it finishes, is cancelled or is preempted.
+Reference counts let a block belong to several sequences (prefix sharing) and
+return to the free list only when the last one lets go. Block 0 is never handed
+out: it stays zeroed, so padded reads in a kernel see zeros, not garbage.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+import tokenmill
+from tokenmill.interfaces import BlockPool, KVAllocator
+from tokenmill.kv_memory import model_kv_shape
+
+
+class PagedPool(BlockPool):
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the zero block
+        # torch.empty: memory is only touched as blocks are written (on CPU), yet is reserved on GPU.
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        for tensor in self.keys + self.values:
+            tensor[0].zero_()
+        self.free_list: deque[int] = deque(range(1, num_blocks + 1))
+        self.ref_counts = [0] * (num_blocks + 1)
+        self.tables: dict[int, list[int]] = {}
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[index], self.values[index]
+
+    def free_blocks(self) -> int:
+        return len(self.free_list)
+
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_list)
+
+    def blocks_of(self, seq_id: int) -> list[int]:
+        return self.tables.get(seq_id, [])
+
+    def reserve(self, seq_id: int, tokens: int) -> bool:
+        table = self.tables.setdefault(seq_id, [])
+        missing = -(-tokens // self.block_size) - len(table)
+        if missing > len(self.free_list):
+            if not table:
+                del self.tables[seq_id]
+            return False
+        for _ in range(max(0, missing)):
+            block = self.free_list.popleft()
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """Let ``seq_id`` start with ``blocks`` (a common prefix), counting one more user for each."""
+        for block in blocks:
+            self.ref_counts[block] += 1
+        self.tables.setdefault(seq_id, []).extend(blocks)
+
+    def free(self, seq_id: int) -> None:
+        for block in self.tables.pop(seq_id, []):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_list.append(block)
+
+    def free_all(self) -> None:
+        for seq_id in list(self.tables):
+            self.free(seq_id)
+
+    def bytes_per_block(self) -> int:
+        tensor = self.keys[0] if self.keys else None
+        if tensor is None:
+            return 0
+        return 2 * len(self.keys) * tensor[0].nelement() * tensor.element_size()
+
+
+class PagedKVAllocator(KVAllocator):
+    name = "paged"
+    layout = "paged"
+    description = "fixed-size blocks per layer with a free list, block tables and reference counts"
+
+    def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
+               block_size: int) -> BlockPool:
+        layers, kv_heads, head_dim = model_kv_shape(model_config)
+        num_blocks = max(1, max_tokens // block_size)
+        return PagedPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+
+
+@tokenmill.hookimpl
+def tokenmill_kv_allocators() -> list[KVAllocator]:
+    return [PagedKVAllocator()]

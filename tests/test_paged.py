@@ -1,0 +1,159 @@
+"""The paged backend: KV in a shared block pool, packed steps, chunked prefill and preemption.
+
+Every test checks greedy tokens against ``model.generate()`` and that all blocks
+are back in the pool at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all
+
+
+@pytest.fixture
+def paged_model(tiny_model_dir):
+    """A model of its own: the paged backend routes its attention to the block pool."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def run(engine, requests) -> tuple[list[Collector], dict[str, int]]:
+    """Submit (prompt, max_new_tokens, step to submit at) requests and step until all are done."""
+    sinks = [Collector() for _ in requests]
+    seen = {"max_batch": 0, "max_prefilling": 0, "steps": 0}
+    pending = sorted(zip(requests, sinks), key=lambda item: item[0][2])
+    while pending or not all(s.done for s in sinks):
+        while pending and pending[0][0][2] <= seen["steps"]:
+            (prompt, new_tokens, _), sink = pending.pop(0)
+            engine.submit(greedy_request(engine.tokenizer, prompt, new_tokens), sink)
+        engine.run_once()
+        seen["steps"] += 1
+        seen["max_batch"] = max(seen["max_batch"], engine.batch_size)
+        seen["max_prefilling"] = max(seen["max_prefilling"], len(engine.prefilling))
+    return sinks, seen
+
+
+def assert_pool_empty(engine) -> None:
+    usage = engine.runner.kv_usage()
+    assert usage["blocks_used"] == 0 and engine.batch_size == 0
+
+
+def check_against_generate(model, tokenizer, requests, sinks) -> None:
+    for (prompt, new_tokens, _), sink in zip(requests, sinks):
+        assert sink.token_ids == reference_greedy(model, tokenizer, prompt, new_tokens), prompt
+
+
+REQUESTS = [(prompt, 10 + 3 * i, 0 if i < 4 else 3) for i, prompt in enumerate(PROMPTS)]
+
+
+def test_paged_greedy_equals_generate_with_requests_joining_mid_batch(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True)
+    sinks, seen = run(engine, REQUESTS)
+    assert seen["max_batch"] == 8
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS, sinks)
+    assert_pool_empty(engine)
+
+
+def test_chunked_prefill_under_a_small_prefill_budget(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
+    sinks, seen = run(engine, REQUESTS)
+    assert seen["max_prefilling"] >= 1, "long prompts were prefilled over several steps"
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS, sinks)
+    assert_pool_empty(engine)
+
+
+def test_preemption_when_the_pool_runs_out_recomputes_and_gives_the_same_tokens(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    requests = [(PROMPTS[i], 40, 0) for i in (1, 2, 4, 7)]
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, block_size=4,
+                          max_batch_total_tokens=96)  # 24 blocks: two sequences of ~50 tokens, not four
+    sinks, _ = run(engine, requests)
+    assert engine.preemptions > 0
+    check_against_generate(tiny_model[0], tokenizer, requests, sinks)
+    assert_pool_empty(engine)
+
+
+def test_cancelling_returns_blocks_at_once(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, block_size=4)
+    seq = engine.submit(greedy_request(tokenizer, PROMPTS[6], 100), Collector())
+    for _ in range(3):
+        engine.run_once()
+    assert engine.runner.kv_usage()["blocks_used"] > 0
+    engine.cancel(seq)
+    engine.run_once()
+    assert_pool_empty(engine)
+
+
+def test_prompt_logprobs_match_the_transformers_backend(paged_model, tiny_model):
+    model, tokenizer = tiny_model
+    finals = []
+    for backend, chosen_model in (("transformers", model), ("paged", paged_model)):
+        engine = build_engine(chosen_model, tokenizer, backend=backend)
+        sink = Collector()
+        engine.submit(greedy_request(tokenizer, PROMPTS[6], 3, decoder_input_details=True), sink)
+        while not sink.done:
+            engine.run_once()
+        finals.append(sink.final)
+    reference, paged = finals
+    assert [t.id for t in paged.prefill] == [t.id for t in reference.prefill]
+    assert paged.prefill[0].logprob is None
+    assert torch.allclose(torch.tensor([t.logprob for t in paged.prefill[1:]]),
+                          torch.tensor([t.logprob for t in reference.prefill[1:]]), atol=1e-4)
+
+
+def test_sliding_window_attention_in_the_paged_kernel(tiny_model):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    _, tokenizer = tiny_model
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                           initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
+    reference_model = MistralForCausalLM(config).eval()
+    paged_model = MistralForCausalLM(copy.deepcopy(config)).eval()  # its own config: paged attention is set there
+    paged_model.load_state_dict(reference_model.state_dict())
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=7)
+    requests = [(prompt, 12, 0) for prompt in PROMPTS[:4]]
+    sinks, _ = run(engine, requests)
+    check_against_generate(reference_model, tokenizer, requests, sinks)
+
+
+def test_a_model_outside_the_attention_interface_is_refused(paged_model, tiny_model):
+    paged_model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="use --backend transformers"):
+        build_engine(paged_model, tiny_model[1], backend="paged")
+
+
+def test_block_pool_counts_references():
+    from tokenmill_plugins.kv.paged import PagedPool
+
+    pool = PagedPool(layers=1, num_blocks=4, block_size=2, kv_heads=1, head_dim=2, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    assert pool.reserve(1, 3) and pool.blocks_of(1) == [1, 2] and pool.free_blocks() == 2
+    assert not pool.reserve(2, 7) and pool.blocks_of(2) == [] and pool.free_blocks() == 2, "all or nothing"
+    pool.share(2, pool.blocks_of(1)[:1])
+    pool.free(1)
+    assert pool.free_blocks() == 3, "the shared block stays while sequence 2 holds it"
+    pool.free(2)
+    assert pool.free_blocks() == 4
+    assert torch.count_nonzero(pool.layer(0)[0][0]) == 0, "block 0 is the zero block"
+
+
+def test_flash_is_refused_on_cpu_with_the_reason_and_auto_picks_paged():
+    pm = build_plugin_manager(autoload=False)
+    with pytest.raises(PluginError, match="--backend flash is not available here: needs CUDA"):
+        choose(pm, "backend", "flash")
+    with pytest.raises(PluginError, match="--attention flash is not available here: needs CUDA"):
+        choose(pm, "attention", "flash")
+    chosen = choose_all(pm, "auto", None, None, "fifo", None)
+    assert (chosen.backend.name, chosen.attention.name, chosen.kv_allocator.name, chosen.block_size) == (
+        "paged", "sdpa", "paged", 16)
