@@ -61,6 +61,7 @@ class RunningServer:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        self.backend = ""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -101,13 +102,15 @@ def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = N
     raise RuntimeError(f"server not healthy after {ready_timeout}s:\n{server.log()}")
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The real server (uvicorn) on the tiny model, with small limits that tests can reach."""
+@pytest.fixture(scope="module", params=["transformers", "paged"])
+def tiny_server(request: pytest.FixtureRequest, tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The real server (uvicorn) on the tiny model, once per backend, with small limits that tests can reach."""
     server = start_server(
         ["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-input-tokens", "512",
-         "--max-total-tokens", "1024", "--max-concurrent-requests", "16"],
+         "--max-total-tokens", "1024", "--max-concurrent-requests", "16", "--backend", request.param],
         tmp_path_factory.mktemp("server"),
     )
+    server.backend = request.param
     yield server
     server.stop()

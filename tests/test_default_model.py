@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from conftest import start_server
-from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+from engine_helpers import Collector, build_engine, reference_greedy
+from tokenmill.loading import DEFAULT_MODEL_FILE, converted_gguf, default_gguf
+from tokenmill.sequence import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenmill cache directory of this test run (empty until the first start converts into it)."""
+    return tmp_path_factory.mktemp("tokenmill-cache")
 
 
 def chat_prompt(question: str) -> str:
@@ -19,10 +30,12 @@ def chat_prompt(question: str) -> str:
                                          add_generation_prompt=True)
 
 
-def test_default_model_answers_paris_and_the_second_start_skips_conversion(tmp_path):
-    env = {"TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}
+@pytest.mark.parametrize("backend", ["transformers", "paged"])
+def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend, smollm2_cache, tmp_path):
+    env = {"TOKENMILL_CACHE_DIR": str(smollm2_cache)}
+    fresh_cache = not any(smollm2_cache.iterdir())
     prompt = chat_prompt("What is the capital of France?")
-    first = start_server(["--server", "uvicorn"], tmp_path, env=env)
+    first = start_server(["--server", "uvicorn", "--backend", backend], tmp_path, env=env)
     try:
         with first.client() as client:
             body = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 30,
@@ -32,14 +45,41 @@ def test_default_model_answers_paris_and_the_second_start_skips_conversion(tmp_p
         first.stop()
     assert "Paris" in body["generated_text"], body
     assert body["details"]["finish_reason"] == "eos_token"
-    assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["backend"] == backend
     stages = {s["stage"]: s["seconds"] for s in info["load_stages"]}
     assert set(stages) == {"resolving", "converting gguf", "loading weights", "warm-up"}
+    if fresh_cache:
+        assert stages["converting gguf"] > 1.0, stages
 
-    second = start_server(["--server", "uvicorn"], tmp_path, env=env)
+    second = start_server(["--server", "uvicorn", "--backend", backend], tmp_path, env=env)
     try:
         with second.client() as client:
             again = {s["stage"]: s["seconds"] for s in client.get("/info").json()["load_stages"]}
     finally:
         second.stop()
-    assert again["converting gguf"] < 1.0 < stages["converting gguf"], (stages, again)
+    assert again["converting gguf"] < 1.0, again
+
+
+def test_paged_and_transformers_give_generate_s_greedy_tokens_on_smollm2(smollm2_cache, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(smollm2_cache))
+    path = converted_gguf(default_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    reference = load()
+    prompts = [chat_prompt(q) for q in ("What is the capital of France?", "Name three colours.",
+                                         "Write a haiku about the sea.", "What is 12 times 12?")]
+    for backend in ("transformers", "paged"):
+        engine = build_engine(load(), tokenizer, backend=backend, ignore_eos=True, max_batch_prefill_tokens=40)
+        sinks = [Collector() for _ in prompts]
+        for index, (prompt, sink) in enumerate(zip(prompts, sinks)):
+            ids = tokenizer(prompt)["input_ids"]
+            engine.submit(GenerationRequest(prompt, ids, 24, SamplingParams()), sink)
+            if index == 1:
+                engine.run_once()  # the others join a running batch
+        while not all(s.done for s in sinks):
+            engine.run_once()
+        for prompt, sink in zip(prompts, sinks):
+            assert sink.token_ids == reference_greedy(reference, tokenizer, prompt, 24), (backend, prompt)
+        assert engine.runner.kv_usage()["bytes"] == 0

@@ -142,14 +142,24 @@ def test_tokenize_returns_ids_and_offsets(tiny_server, tiny_model):
     assert tokens[1]["start"] == 5 and tokens[1]["stop"] == 11
 
 
-def test_health_and_info(tiny_server):
+def test_health_info_and_metrics(tiny_server):
     with tiny_server.client() as client:
         assert client.get("/health").status_code == 200
         info = client.get("/info").json()
+        metrics = client.get("/metrics").text
     assert info["max_input_tokens"] == 512 and info["max_total_tokens"] == 1024
-    assert info["router"] == "tokenmill" and info["backend"] == "transformers" and info["model_dtype"] == "float32"
+    assert info["router"] == "tokenmill" and info["backend"] == tiny_server.backend
+    assert info["model_dtype"] == "float32" and info["attention"] == "sdpa"
     assert [s["stage"] for s in info["load_stages"]] == ["resolving", "loading weights", "warm-up"]
     assert all(s["seconds"] >= 0 for s in info["load_stages"])
+    assert "tgi_queue_size 0" in metrics and "tgi_batch_current_size 0" in metrics
+    if tiny_server.backend == "paged":
+        assert info["kv_allocator"] == "paged" and info["block_size"] == 16
+        assert info["kv"]["blocks_used"] == 0 and info["kv"]["blocks_total"] > 0
+        assert "tokenmill_kv_blocks_used 0" in metrics
+        assert f"tokenmill_kv_blocks_free {info['kv']['blocks_total']}" in metrics
+    else:
+        assert info["kv_allocator"] == "dynamic" and info["block_size"] is None
 
 
 INVALID = [
@@ -239,6 +249,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_batch(tiny_server):
         while batch_size(watcher) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert batch_size(watcher) == 0, "the cancelled sequence left the batch"
+        assert watcher.get("/info").json()["kv"]["bytes"] == 0, "and its KV memory is free"
         assert generate(watcher, "after", max_new_tokens=2).status_code == 200
 
 
