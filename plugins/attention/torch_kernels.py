@@ -13,16 +13,16 @@ def _gather_plan(step: PagedStep, sliding_window: int | None) -> dict[str, torch
     """Index and mask tensors for one step, built once and shared by every layer.
 
     Each sequence gets a row: its query tokens padded to the longest query, and its
-    context's KV slots padded to the longest context. Padding slots point at block 0,
-    which the pool keeps zeroed, so no uninitialised memory is ever read.
+    blocks (whole blocks: copying them is about twice as fast as copying positions)
+    padded to the most blocks. Padding blocks are block 0, which the pool keeps
+    zeroed; positions past a sequence's context are masked out.
     """
     device = step.slot_mapping.device
     block_size = step.pool.block_size
+    sequences, widest = step.block_tables.shape
     context = torch.tensor(step.context_lens, device=device)
     query_lens = torch.tensor(step.query_lens, device=device)
-    positions = torch.arange(step.max_context_len, device=device)
-    slots = step.block_tables[:, positions // block_size].long() * block_size + positions % block_size
-    slots = slots.masked_fill(positions >= context[:, None], 0)
+    positions = torch.arange(widest * block_size, device=device)
     longest_query = max(step.query_lens)
     offsets = torch.arange(longest_query, device=device)
     query_valid = offsets < query_lens[:, None]
@@ -33,7 +33,12 @@ def _gather_plan(step: PagedStep, sliding_window: int | None) -> dict[str, torch
         visible &= positions[None, None, :] > query_positions[:, :, None] - sliding_window
     visible &= query_valid[:, :, None]
     visible[:, :, 0] |= ~query_valid  # padded query rows see one (zero) key instead of none: no NaN
-    return {"slots": slots, "query_index": query_index, "query_valid": query_valid, "mask": visible[:, None]}
+    return {
+        "blocks": step.block_tables.flatten().long(),
+        "query_index": query_index.flatten(),
+        "valid_rows": query_valid.flatten().nonzero().squeeze(1),  # packed order: sequence by sequence
+        "mask": visible[:, None],
+    }
 
 
 class SdpaAttention(AttentionKernel):
@@ -49,12 +54,20 @@ class SdpaAttention(AttentionKernel):
         if plan is None:
             plan = step.scratch[key] = _gather_plan(step, sliding_window)
         kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        keys = key_cache.view(-1, kv_heads, head_dim)[plan["slots"]].transpose(1, 2)
-        values = value_cache.view(-1, kv_heads, head_dim)[plan["slots"]].transpose(1, 2)
-        queries = query[plan["query_index"]].transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan["mask"], scale=scaling,
-                                             enable_gqa=queries.shape[1] != kv_heads)
-        return out.transpose(1, 2)[plan["query_valid"]]
+        sequences, longest_query, context = plan["mask"].shape[0], plan["mask"].shape[2], plan["mask"].shape[3]
+        # index_select, not advanced indexing: several times faster for gathering rows on CPU.
+        keys = key_cache.view(key_cache.shape[0], -1).index_select(0, plan["blocks"])
+        values = value_cache.view(value_cache.shape[0], -1).index_select(0, plan["blocks"])
+        decode = longest_query == 1  # one query per sequence, in order: no gathering or picking needed
+        queries = query if decode else query.index_select(0, plan["query_index"])
+        out = F.scaled_dot_product_attention(
+            queries.view(sequences, longest_query, -1, head_dim).transpose(1, 2),
+            keys.view(sequences, context, kv_heads, head_dim).transpose(1, 2),
+            values.view(sequences, context, kv_heads, head_dim).transpose(1, 2),
+            attn_mask=plan["mask"], scale=scaling, enable_gqa=query.shape[1] != kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(sequences * longest_query, -1, head_dim)
+        return out if decode else out.index_select(0, plan["valid_rows"])
 
 
 class EagerAttention(AttentionKernel):

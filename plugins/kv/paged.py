@@ -25,11 +25,11 @@ class PagedPool(BlockPool):
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the zero block
-        # torch.empty: memory is only touched as blocks are written (on CPU), yet is reserved on GPU.
+        # Uninitialised: on CPU the pages are only touched as blocks are handed out, so an unused
+        # pool costs no RAM. Each block is zeroed when handed out (see reserve).
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        for tensor in self.keys + self.values:
-            tensor[0].zero_()
+        self._zero(torch.tensor([0], device=device))
         self.free_list: deque[int] = deque(range(1, num_blocks + 1))
         self.ref_counts = [0] * (num_blocks + 1)
         self.tables: dict[int, list[int]] = {}
@@ -53,11 +53,19 @@ class PagedPool(BlockPool):
             if not table:
                 del self.tables[seq_id]
             return False
-        for _ in range(max(0, missing)):
-            block = self.free_list.popleft()
+        handed_out = [self.free_list.popleft() for _ in range(max(0, missing))]
+        for block in handed_out:
             self.ref_counts[block] = 1
-            table.append(block)
+        if handed_out:
+            # Kernels read whole blocks and mask the positions not yet written: those must hold
+            # zeros, never stale bits that could be NaN.
+            self._zero(torch.tensor(handed_out, device=self.keys[0].device if self.keys else None))
+            table.extend(handed_out)
         return True
+
+    def _zero(self, blocks: torch.Tensor) -> None:
+        for tensor in self.keys + self.values:
+            tensor.index_fill_(0, blocks, 0)
 
     def share(self, seq_id: int, blocks: list[int]) -> None:
         """Let ``seq_id`` start with ``blocks`` (a common prefix), counting one more user for each."""
