@@ -19,7 +19,7 @@ import pluggy
 import torch
 
 from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.interfaces import BackendRunner, SchedulerQueue, StepBudget
+from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
 from tokenmill.sampling import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
 from tokenmill.sequence import (
     FINISH_EOS,
@@ -215,13 +215,28 @@ class Engine:
         self._release(list(cancelled.values()))
 
     def step(self) -> None:
-        """One engine step: prefill (newcomers, and chunks of long prompts), then decode the batch."""
-        plan = self._plan_prefill()
-        if plan:
-            self._prefill(plan)
+        """One engine step: the running batch decodes one token while newcomers (and chunks of
+        long prompts) prefill, in one backend call; a sequence whose prompt completes samples
+        its first token now and decodes from the next step."""
         self._make_room_for_decode()
-        if self.running:
-            self._decode()
+        plan = self._plan_prefill()
+        decoding = list(self.running)
+        if not plan and not decoding:
+            return
+        prefilling = [s for s, _ in plan]
+        chunks = [n for _, n in plan]
+        try:
+            out = self.runner.step(prefilling, chunks, [wants_prompt_logits(s) for s in prefilling], decoding)
+        except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
+            log.exception("engine step failed")
+            self._fail(prefilling + decoding, f"generation failed: {type(error).__name__}: {error}")
+            return
+        if decoding:
+            assert out.decode_logits is not None
+            self._advance(decoding, out.decode_logits)
+        if prefilling:
+            assert out.prefill is not None
+            self._prefilled(prefilling, chunks, out.prefill)
 
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
         """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
@@ -265,22 +280,8 @@ class Engine:
             self._fail([seq], f"could not start the request: {error}")
             return False
 
-    def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
-        # Prompt details need the logits of every prompt position: prefill those alone so that
-        # one request's option never multiplies the memory of the others' prefill.
-        plain = [(s, n) for s, n in plan if not wants_prompt_logits(s)]
-        groups = ([plain] if plain else []) + [[(s, n)] for s, n in plan if wants_prompt_logits(s)]
-        for group in groups:
-            self._prefill_group([s for s, _ in group], [n for _, n in group])
-
-    def _prefill_group(self, seqs: list[Sequence], chunks: list[int]) -> None:
-        want = [wants_prompt_logits(s) for s in seqs]
-        try:
-            out = self.runner.prefill(seqs, chunks, want)
-        except Exception as error:  # noqa: BLE001
-            log.exception("prefill failed")
-            self._fail(seqs, f"prefill failed: {type(error).__name__}: {error}")
-            return
+    def _prefilled(self, seqs: list[Sequence], chunks: list[int], out: PrefillOutput) -> None:
+        """Account for prefilled chunks; sequences whose prompt is complete join the running batch."""
         done, done_rows = [], []
         for row, (seq, chunk, logits) in enumerate(zip(seqs, chunks, out.prompt_logits)):
             seq.num_computed += chunk
@@ -308,16 +309,6 @@ class Engine:
         self.queue.requeue(seq)
         self.preemptions += 1
         log.info("preempted sequence %d (%d tokens) to free KV memory", seq.id, seq.total_len)
-
-    def _decode(self) -> None:
-        batch = list(self.running)
-        try:
-            logits = self.runner.decode(batch)
-        except Exception as error:  # noqa: BLE001
-            log.exception("decode failed")
-            self._fail(batch, f"decode failed: {type(error).__name__}: {error}")
-            return
-        self._advance(batch, logits)
 
     def _new_state(self, seq: Sequence) -> SequenceState:
         extra: list[Any] = []

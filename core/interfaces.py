@@ -188,19 +188,25 @@ class PrefillOutput:
     """Per sequence, ``[chunk, vocab]`` logits when it asked for prompt details."""
 
 
+@dataclass
+class StepOutput:
+    prefill: PrefillOutput | None
+    decode_logits: torch.Tensor | None
+    """``[len(decode), vocab]``: the logits after each decoding sequence's newest token."""
+
+
 class BackendRunner(Protocol):
     """A loaded model that runs engine steps. Called from the engine thread only."""
 
     chunked_prefill: bool
-    """Whether ``prefill`` accepts part of a prompt (the rest follows in later steps)."""
+    """Whether a step accepts part of a prompt (the rest follows in later steps)."""
 
-    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
-        """Compute the next ``chunks[i]`` uncomputed tokens of each sequence (its prompt, and after a
-        preemption the tokens it had generated) and keep their KV."""
-        ...
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token step for every running sequence: ``[len(seqs), vocab]`` logits, in order."""
+    def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
+             decode: list[Sequence]) -> StepOutput:
+        """One engine step. For each ``prefill`` sequence, compute its next ``chunks[i]`` uncomputed
+        tokens (its prompt, and after a preemption the tokens it had generated too) and keep their
+        KV; for each ``decode`` sequence, feed its newest token. Both in one forward pass where the
+        backend can."""
         ...
 
     def can_decode(self, seqs: list[Sequence]) -> bool:

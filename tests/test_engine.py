@@ -42,7 +42,8 @@ def test_finished_sequences_leave_the_batch_the_step_they_finish(tiny_model):
     short, long = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[0], 2), short)
     engine.submit(greedy_request(tokenizer, PROMPTS[6], 10), long)
-    engine.run_once()  # prefill (token 1) and decode (token 2): the short one is done
+    engine.run_once()  # prefill: token 1
+    engine.run_once()  # decode: token 2, so the short one is done
     assert short.final is not None and engine.batch_size == 1
     kv_with_one = engine.runner.kv_usage()["bytes"]
     while not long.done:
@@ -63,7 +64,7 @@ def test_cancel_frees_the_sequence_at_the_next_step(tiny_model):
     engine.run_once()
     assert engine.batch_size == 1
     assert engine.runner.kv_usage()["bytes"] < before
-    assert len(dropped.token_ids) == 2 and len(kept.token_ids) == 3
+    assert len(dropped.token_ids) == 1 and len(kept.token_ids) == 2
 
 
 def test_a_failing_request_does_not_break_the_others(tiny_model):
@@ -250,7 +251,7 @@ def test_warmup_fits_a_small_prefill_budget_and_fails_clearly_when_nothing_fits(
 
 
 class FlakyRunner:
-    """Wraps a runner; ``decode`` raises once when armed, ``release`` raises when broken."""
+    """Wraps a runner; a step with sequences to decode raises once when armed, ``release`` raises when broken."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -260,11 +261,11 @@ class FlakyRunner:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def decode(self, seqs):
-        if self.fail_next_decode:
+    def step(self, prefill, chunks, want, decode):
+        if decode and self.fail_next_decode:
             self.fail_next_decode = False
             raise RuntimeError("device fell over")
-        return self.inner.decode(seqs)
+        return self.inner.step(prefill, chunks, want, decode)
 
     def release(self, seqs):
         if self.broken_release:

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 
 import tokenmill
 from tokenmill.accelerators import flash_attn_unavailable_reason
-from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput
+from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput, StepOutput
 from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
@@ -78,26 +78,28 @@ class PagedRunner(BackendRunner):
             raise MemoryError(f"the KV pool has no free block for sequence {seq.id} ({tokens} tokens)")
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
-        for seq in seqs:
-            self._reserve(seq, seq.total_len)  # the whole context at once: later chunks never wait for blocks
-        starts = [s.num_computed for s in seqs]
-        step, input_ids, positions = self._pack(seqs, starts, chunks)
-        keep = [torch.arange(s, s + n) if want else torch.tensor([s + n - 1])
-                for s, n, want in zip(step.query_starts, chunks, want_prompt_logits)]
+    def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
+             decode: list[Sequence]) -> StepOutput:
+        """Prefill chunks and decode tokens packed into one row: one forward pass for the whole step."""
+        for seq in prefill + decode:
+            self._reserve(seq, seq.total_len)  # a prompt's whole context at once: later chunks never wait
+        starts = [s.num_computed for s in prefill] + [s.total_len - 1 for s in decode]
+        lengths = list(chunks) + [1] * len(decode)
+        step, input_ids, positions = self._pack(prefill + decode, starts, lengths)
+        wants = list(want_prompt_logits) + [False] * len(decode)
+        keep = [torch.arange(start, start + n) if want else torch.tensor([start + n - 1])
+                for start, n, want in zip(step.query_starts, lengths, wants)]
         logits = self._forward(input_ids, positions, step, torch.cat(keep))
-        rows = torch.cumsum(torch.tensor([len(k) for k in keep]), 0) - 1
-        prompt_logits: list[torch.Tensor | None] = []
-        for row, (want, n) in enumerate(zip(want_prompt_logits, chunks)):
-            prompt_logits.append(logits[int(rows[row]) - n + 1 : int(rows[row]) + 1] if want else None)
-        return PrefillOutput(last_logits=logits[rows], prompt_logits=prompt_logits)
-
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        for seq in seqs:
-            self._reserve(seq, seq.total_len)
-        step, input_ids, positions = self._pack(seqs, [s.total_len - 1 for s in seqs], [1] * len(seqs))
-        return self._forward(input_ids, positions, step, torch.arange(len(seqs)))
+        last_rows = torch.cumsum(torch.tensor([len(k) for k in keep]), 0) - 1
+        prefill_out = None
+        if prefill:
+            prompt_logits = [
+                logits[int(last_rows[row]) - n + 1 : int(last_rows[row]) + 1] if want else None
+                for row, (want, n) in enumerate(zip(want_prompt_logits, chunks))
+            ]
+            prefill_out = PrefillOutput(logits[last_rows[: len(prefill)]], prompt_logits)
+        decode_logits = logits[last_rows[len(prefill) :]] if decode else None
+        return StepOutput(prefill_out, decode_logits)
 
     def _pack(self, seqs: list[Sequence], starts: list[int], lengths: list[int]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
         """The packed row of this step's tokens, their positions, and where their KV goes."""

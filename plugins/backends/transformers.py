@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import tokenmill
-from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput
+from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
 from tokenmill.sequence import Sequence
 
 
@@ -57,9 +57,28 @@ class TransformersRunner(BackendRunner):
     def can_decode(self, seqs: list[Sequence]) -> bool:
         return True
 
+    def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
+             decode: list[Sequence]) -> StepOutput:
+        """Decode the running rows, then prefill newcomers as their own padded batch and join them."""
+        decode_logits = self.decode(decode) if decode else None
+        if not prefill:
+            return StepOutput(None, decode_logits)
+        assert all(chunk == s.pending_len == s.total_len for s, chunk in zip(prefill, chunks)), "whole prompts only"
+        # Prompt details need the logits of every padded position: prefill those alone so that one
+        # request's option never multiplies the memory of the others' prefill.
+        plain = [row for row, want in enumerate(want_prompt_logits) if not want]
+        groups = ([plain] if plain else []) + [[row] for row, want in enumerate(want_prompt_logits) if want]
+        last_logits: list[torch.Tensor] = [torch.empty(0)] * len(prefill)
+        prompt_logits: list[torch.Tensor | None] = [None] * len(prefill)
+        for rows in groups:
+            out = self.prefill([prefill[r] for r in rows], [want_prompt_logits[r] for r in rows])
+            for index, row in enumerate(rows):
+                last_logits[row] = out.last_logits[index]
+                prompt_logits[row] = out.prompt_logits[index]
+        return StepOutput(PrefillOutput(torch.stack(last_logits), prompt_logits), decode_logits)
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], chunks: list[int], want_prompt_logits: list[bool]) -> PrefillOutput:
-        assert all(chunk == s.pending_len == s.total_len for s, chunk in zip(seqs, chunks)), "whole prompts only"
+    def prefill(self, seqs: list[Sequence], want_prompt_logits: list[bool]) -> PrefillOutput:
         ids, mask = _left_padded([s.token_ids for s in seqs], self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self.kv.new_cache(self.model.config)
