@@ -38,7 +38,7 @@ class Config:
     port: int = 3000
     payload_limit: int = 2_000_000
     json_output: bool = False
-    backend: str = "transformers"
+    backend: str = "auto"
     attention: str | None = None
     scheduler: str = "fifo"
     kv_allocator: str | None = None
@@ -137,7 +137,7 @@ _HELP = {
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
     "json_output": "log as JSON lines",
-    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged)",
+    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run)",
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",

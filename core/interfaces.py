@@ -239,6 +239,9 @@ class Backend(Implementation):
     default_attention: str = "sdpa"
     default_kv_allocator: str = "dynamic"
 
+    def model_unsupported_reason(self, model: Any) -> str | None:
+        """None when this backend can run ``model``, else why not (one line)."""
+        return None
+
     def create(self, model: Any, kv_store: Any, attention: AttentionKernel) -> BackendRunner:
-        """A runner for ``model``; raises ValueError with a one-line reason for a model it cannot run."""
         raise NotImplementedError

@@ -118,9 +118,16 @@ class ServerState:
         config = self.config
         chosen = choose_all(self.pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
                             config.block_size)
-        self.chosen = chosen
         loaded = load_model(config.model_id, config.revision, config.dtype, self._padded_attention(chosen),
                             config.trust_remote_code, self.stages)
+        unsupported = chosen.backend.model_unsupported_reason(loaded.model)  # type: ignore[attr-defined]
+        if unsupported and config.backend == "auto":
+            log.warning("%s; --backend auto falls back to the transformers backend", unsupported)
+            chosen = choose_all(self.pm, "transformers", config.attention, config.kv_allocator, config.scheduler,
+                                config.block_size)
+        elif unsupported:
+            raise ModelLoadError(unsupported)
+        self.chosen = chosen
         model_config = loaded.model.config
         context = getattr(model_config, "max_position_embeddings", None)
         paged = chosen.backend.kv_layout == "paged"
@@ -134,10 +141,7 @@ class ServerState:
                         config.max_total_tokens, context)
         kv_store = chosen.kv_allocator.create(model_config, loaded.dtype, loaded.device,
                                               config.max_batch_total_tokens, chosen.block_size)
-        try:
-            runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)
-        except ValueError as error:
-            raise ModelLoadError(str(error)) from None
+        runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)
         queue = chosen.scheduler.create(BatchLimits(
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_total_tokens=config.max_batch_total_tokens,

@@ -15,7 +15,7 @@ def test_tgi_defaults():
     assert (config.max_concurrent_requests, config.max_best_of, config.max_stop_sequences,
             config.max_top_n_tokens, config.port, config.hostname) == (128, 2, 4, 5, 3000, "0.0.0.0")
     assert (config.backend, config.attention, config.scheduler, config.kv_allocator, config.block_size) == (
-        "transformers", None, "fifo", None, None), "attention, KV allocator and block size follow the backend"
+        "auto", None, "fifo", None, None), "attention, KV allocator and block size follow the backend"
 
 
 def test_every_flag_reads_its_upper_snake_case_environment_variable():

@@ -157,3 +157,26 @@ def test_flash_is_refused_on_cpu_with_the_reason_and_auto_picks_paged():
     chosen = choose_all(pm, "auto", None, None, "fifo", None)
     assert (chosen.backend.name, chosen.attention.name, chosen.kv_allocator.name, chosen.block_size) == (
         "paged", "sdpa", "paged", 16)
+
+
+@pytest.mark.parametrize("backend, expected", [("auto", "transformers"), ("paged", None)])
+def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, expected, tiny_model_dir,
+                                                                      monkeypatch):
+    from tokenmill.config import parse_config
+    from tokenmill.loading import ModelLoadError
+    from tokenmill.server import ServerState
+    from tokenmill_plugins.backends.paged import PagedBackend
+
+    monkeypatch.setattr(PagedBackend, "model_unsupported_reason", lambda self, model: "no AttentionInterface")
+    config = parse_config(["--model-id", str(tiny_model_dir), "--backend", backend], env={})
+    state = ServerState(config, build_plugin_manager(autoload=False))
+    if expected is None:
+        with pytest.raises(ModelLoadError, match="no AttentionInterface"):
+            state.load()
+        return
+    state.load()
+    try:
+        assert state.chosen.backend.name == expected and state.chosen.kv_allocator.name == "dynamic"
+        assert state.engine.healthy
+    finally:
+        state.engine.stop()

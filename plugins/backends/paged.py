@@ -143,10 +143,16 @@ class PagedBackend(Backend):
     default_kv_allocator = "paged"
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
 
-    def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
+    def model_unsupported_reason(self, model: Any) -> str | None:
         if not getattr(model, "_supports_attention_backend", False):
-            raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
-                             "AttentionInterface, so the paged backend cannot run it; use --backend transformers")
+            return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+                    f"so the {self.name} backend cannot run it; use --backend transformers")
+        return None
+
+    def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
+        reason = self.model_unsupported_reason(model)
+        if reason:
+            raise ValueError(reason)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         model.set_attn_implementation(ATTENTION_NAME)
         return PagedRunner(model, kv_store, attention)
