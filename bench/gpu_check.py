@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_helpers import Collector, build_engine  # noqa: E402
 
-from tokenmill.plugins import build_plugin_manager, choose  # noqa: E402
+from tokenmill.plugins import PluginError, build_plugin_manager, choose_all  # noqa: E402
 from tokenmill.sequence import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 32000
@@ -64,10 +64,13 @@ def available_backends() -> list[str]:
     pm = build_plugin_manager(autoload=False)
     names = []
     for name in ("transformers", "paged", "flash"):
-        reason = choose(pm, "backend", name).unavailable_reason()
-        print(f"backend {name}: {'available' if reason is None else 'unavailable: ' + reason}")
-        if reason is None:
-            names.append(name)
+        try:
+            choose_all(pm, name, None, None, "fifo", 256 if name == "flash" else None)
+        except PluginError as error:
+            print(f"backend {name}: {error}")
+            continue
+        print(f"backend {name}: available")
+        names.append(name)
     return names
 
 

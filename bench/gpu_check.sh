@@ -3,8 +3,12 @@
 #   - a ~1B-parameter random-weight Llama (no download: nothing outside can be reached there),
 #   - paged and flash against transformers and model.generate(): identical greedy tokens (float32),
 #   - tokens/s per backend at batch 1, 32 and 128 (bfloat16).
-# Python packages the machine lacks (transformers >= 5.24, flash-attn, pluggy, ...) travel as wheels
-# in .whl/ (see the device tool's README); the script installs them and tokenmill into /tmp first.
+# Python packages the machine lacks travel as wheels in .whl/ (see the device tool's README); the
+# script installs them and tokenmill into /tmp first. The H200 image has torch, tokenizers,
+# safetensors, huggingface-hub and pluggy but an older transformers, so carry at least
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0
+# and, for the flash backend, a flash-attn wheel built for that image's torch and CUDA (without it the
+# script says "flash: unavailable" and checks transformers and paged only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
