@@ -339,3 +339,32 @@ def test_the_app_answers_503_until_the_model_is_ready():
     assert health.status_code == 503 and health.json()["error_type"] == "unhealthy"
     assert generate_response.status_code == 503
     assert info.json()["ready"] is False and info.json()["load_stage"] == "starting"
+
+
+def test_paged_server_with_a_small_pool_preempts_and_still_answers_like_generate(tiny_model_dir, tiny_model,
+                                                                                 tmp_path):
+    model, tokenizer = tiny_model
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--backend", "paged",
+                           "--block-size", "4", "--max-batch-total-tokens", "96", "--max-total-tokens", "64",
+                           "--max-input-tokens", "16", "--max-batch-prefill-tokens", "16"], tmp_path)
+    prompts = [p for p in PROMPTS if len(tokenizer(p)["input_ids"]) <= 16][:6]
+    try:
+        def one(prompt: str) -> list[int]:
+            with server.client() as client:
+                response = generate(client, prompt, max_new_tokens=40, details=True)
+            assert response.status_code == 200, response.text
+            return [t["id"] for t in response.json()["details"]["tokens"]]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(one, prompts))
+        for prompt, ids in zip(prompts, results):
+            assert ids == reference(model, tokenizer, prompt, 40), prompt
+        with server.client() as client:
+            metrics = client.get("/metrics").text
+            too_long = generate(client, "word " * 40, max_new_tokens=1)
+        preemptions = float(next(line.split()[1] for line in metrics.splitlines()
+                                 if line.startswith("tokenmill_preemptions_total")))
+        assert preemptions > 0 and "tokenmill_kv_blocks_used 0" in metrics
+        assert too_long.status_code == 422, "a request that could never fit is refused up front"
+    finally:
+        server.stop()
