@@ -1,10 +1,12 @@
 """The engine loop: one thread that owns the model and runs continuous batching.
 
-Each step: take new and cancelled requests from the HTTP side, let the scheduler
-admit waiting sequences, prefill them (they join the running batch), run one
-decode step for the whole batch, sample a token per sequence, check its stop
-criteria, push the token to its channel, and release what finished. The HTTP
-event loop never runs model code; this thread never waits on a client.
+Each step: take new and cancelled requests from the HTTP side, preempt the newest
+sequences if KV memory cannot hold the next token of each, let the scheduler admit
+waiting sequences, then one backend call prefills the newcomers (long prompts in
+chunks over several steps) while the running batch decodes a token. Each sequence
+samples its token, checks its stop criteria, pushes it to its channel, and leaves
+the batch the step it finishes. The HTTP event loop never runs model code; this
+thread never waits on a client.
 """
 
 from __future__ import annotations
@@ -251,13 +253,15 @@ class Engine:
             return plan
         step_budget = StepBudget(budget, self.runner.chunked_prefill, self.runner.kv_free_tokens(), self.block_size)
         for seq in self.queue.admit(self.running + self.prefilling, step_budget):
+            chunk = self._chunk(seq, budget)
+            if not chunk:  # it must go whole and does not fit what is left: first in line next step
+                self.queue.requeue(seq)
+                continue
             if not self._start(seq):
                 continue
             self.prefilling.append(seq)
-            chunk = self._chunk(seq, budget)
-            if chunk:
-                plan.append((seq, chunk))
-                budget -= chunk
+            plan.append((seq, chunk))
+            budget -= chunk
         return plan
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -270,11 +274,11 @@ class Engine:
 
     def _start(self, seq: Sequence) -> bool:
         """Give an admitted sequence its sampling state (kept across preemptions)."""
-        seq.admitted_at = time.monotonic()
         if seq.state is not None:
             return True
         try:
             seq.state = self._new_state(seq)
+            seq.admitted_at = time.monotonic()
             return True
         except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
             self._fail([seq], f"could not start the request: {error}")
@@ -297,9 +301,13 @@ class Engine:
             self._advance(done, out.last_logits[done_rows])
 
     def _make_room_for_decode(self) -> None:
-        """Preempt the newest sequences until KV memory holds one more token for each running one."""
+        """Preempt the latest arrivals until KV memory holds one more token for each running sequence."""
         while self.running and not self.runner.can_decode(self.running):
-            victim = max(self.running + self.prefilling, key=lambda s: (s.admitted_at or 0.0, s.id))
+            holders = self.running + self.prefilling
+            victim = max(holders, key=lambda s: (s.arrived_at, s.id))
+            if len(holders) == 1:  # alone and still too big: recomputing it would not help
+                self._fail([victim], "the KV cache cannot hold this sequence")
+                return
             self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -367,6 +375,7 @@ class Engine:
         choice = state.sampler.choose(history, logits)
         token_id = choice.token_id
         seq.generated_ids.append(token_id)
+        seq.num_computed = seq.total_len - 1  # every token but the newest is in the KV cache
         special = token_id in self.special_ids
         text = state.detokenizer.push(token_id)
         if special:

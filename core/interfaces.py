@@ -173,10 +173,6 @@ class PagedStep:
     scratch: dict[str, Any] = field(default_factory=dict)
     """Where a kernel keeps what it derives once per step (index tensors, masks) for every layer."""
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
 
 @dataclass
 class PrefillOutput:

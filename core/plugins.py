@@ -26,8 +26,9 @@ BUILTIN_PLUGINS = (
     "tokenmill_plugins.kv.paged",
 )
 
-AUTO_BACKENDS = ("flash", "paged")
-"""What ``--backend auto`` tries, in order: the first that can run here."""
+AUTO_BACKENDS = ("flash", "paged", "transformers")
+"""What ``--backend auto`` tries, in order: the first that can run here (and, once the model
+is loaded, that can run it)."""
 
 KIND_HOOKS = {
     "backend": "tokenmill_backends",
@@ -96,11 +97,6 @@ def list_all(pm: pluggy.PluginManager) -> list[Offered]:
 def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
     """The implementation of ``kind`` called ``name``, or a PluginError listing the choices."""
     candidates = offered(pm, kind)
-    if kind == "backend" and name == "auto":
-        for auto_name in AUTO_BACKENDS:
-            for implementation, _source in candidates:
-                if implementation.name == auto_name and implementation.unavailable_reason() is None:
-                    return implementation
     flag = "--" + kind.replace("_", "-")
     names = ", ".join(sorted({impl.name for impl, _ in candidates} | ({"auto"} if kind == "backend" else set())))
     for implementation, _source in candidates:
@@ -125,7 +121,16 @@ class Chosen:
 
 def choose_all(pm: pluggy.PluginManager, backend: str, attention: str | None, kv_allocator: str | None,
                scheduler: str, block_size: int | None) -> Chosen:
-    """Resolve every plugin flag; unset attention and KV allocator follow the backend's defaults."""
+    """Resolve every plugin flag; unset attention and KV allocator follow the backend's defaults.
+    ``auto`` takes the first backend of AUTO_BACKENDS that works with the other flags."""
+    if backend == "auto":
+        reasons = []
+        for name in AUTO_BACKENDS:
+            try:
+                return choose_all(pm, name, attention, kv_allocator, scheduler, block_size)
+            except PluginError as error:
+                reasons.append(str(error))
+        raise PluginError("--backend auto found no backend that works here: " + "; ".join(reasons))
     chosen_backend = choose(pm, "backend", backend)
     layout = chosen_backend.kv_layout  # type: ignore[attr-defined]
     chosen_attention = choose(pm, "attention", attention or chosen_backend.default_attention)  # type: ignore[attr-defined]

@@ -106,7 +106,8 @@ class Sequence:
         self.prompt_ids: list[int] = list(request.input_ids)
         self.generated_ids: list[int] = []
         self.num_computed = 0
-        """Tokens whose keys and values the backend holds; a preemption sets it back to 0."""
+        """Tokens whose keys and values the backend holds (while decoding, all but the newest);
+        a preemption sets it back to 0."""
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []
@@ -114,6 +115,7 @@ class Sequence:
         self.cancelled = False
         self.arrived_at = time.monotonic()
         self.admitted_at: float | None = None
+        """When it first joined the batch (a preemption does not reset it)."""
         self.state: Any = None
         """The engine's per-sequence state (sampler, detokenizer), set when admitted."""
 

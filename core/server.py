@@ -28,7 +28,7 @@ from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.plugins import Chosen, build_plugin_manager, choose_all
+from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, build_plugin_manager, choose_all
 from tokenmill.sequence import ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.validation import ValidationError, parse_body, validate_generate
 
@@ -120,19 +120,20 @@ class ServerState:
                             config.block_size)
         loaded = load_model(config.model_id, config.revision, config.dtype, self._padded_attention(chosen),
                             config.trust_remote_code, self.stages)
-        unsupported = chosen.backend.model_unsupported_reason(loaded.model)  # type: ignore[attr-defined]
-        if unsupported and config.backend == "auto":
-            log.warning("%s; --backend auto falls back to the transformers backend", unsupported)
-            chosen = choose_all(self.pm, "transformers", config.attention, config.kv_allocator, config.scheduler,
-                                config.block_size)
-        elif unsupported:
-            raise ModelLoadError(unsupported)
+        chosen = self._fit_backend(chosen, loaded.model)
         self.chosen = chosen
         model_config = loaded.model.config
         context = getattr(model_config, "max_position_embeddings", None)
         paged = chosen.backend.kv_layout == "paged"
         if paged and config.max_batch_total_tokens is None:
-            config.max_batch_total_tokens = kv_pool_tokens(config, model_config, loaded)
+            pool = kv_pool_tokens(config, model_config, loaded)
+            needed = config.max_total_tokens or min(context or 4096, 4096)
+            if pool < needed:
+                raise ModelLoadError(
+                    f"the KV block pool would hold only {pool} positions in the memory left, fewer than one "
+                    f"request of {needed} tokens; raise --kv-memory-fraction / --cuda-memory-fraction, lower "
+                    "--max-total-tokens, or set --max-batch-total-tokens")
+            config.max_batch_total_tokens = pool
         config.resolve_limits(context)
         assert config.max_total_tokens and config.max_input_tokens
         assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
@@ -158,6 +159,30 @@ class ServerState:
         self.engine = engine
         log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
                  chosen.backend.name, chosen.attention.name)
+
+    def _fit_backend(self, chosen: Chosen, model: Any) -> Chosen:
+        """The chosen plugins if the backend can run ``model``; with ``auto``, the next backend that can."""
+        config = self.config
+        unsupported = chosen.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+        if not unsupported:
+            return chosen
+        if config.backend != "auto":
+            raise ModelLoadError(unsupported)
+        reasons = [unsupported]
+        later = AUTO_BACKENDS[AUTO_BACKENDS.index(chosen.backend.name) + 1 :]
+        for name in later:
+            try:
+                candidate = choose_all(self.pm, name, config.attention, config.kv_allocator, config.scheduler,
+                                       config.block_size)
+            except PluginError as error:
+                reasons.append(str(error))
+                continue
+            reason = candidate.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+            if reason is None:
+                log.warning("%s; --backend auto takes the %s backend", "; ".join(reasons), name)
+                return candidate
+            reasons.append(reason)
+        raise ModelLoadError("--backend auto found no backend for this model: " + "; ".join(reasons))
 
     @staticmethod
     def _padded_attention(chosen: Chosen) -> str:
@@ -513,16 +538,19 @@ class MetricsRoute:
             "tgi_queue_size": ("requests waiting for the batch", engine.queue_size if engine else 0),
             "tgi_batch_current_size": ("sequences in the running batch", engine.batch_size if engine else 0),
             "tokenmill_requests_in_flight": ("requests holding a concurrency slot", self.state.in_flight),
-            "tokenmill_preemptions_total": ("sequences preempted to free KV memory", engine.preemptions if engine else 0),
         }
         usage = engine.runner.kv_usage() if engine else {}
         gauges["tokenmill_kv_cache_bytes"] = ("bytes of KV cache held", usage.get("bytes", 0))
         if "blocks_total" in usage:
             gauges["tokenmill_kv_blocks_used"] = ("KV blocks in use", usage["blocks_used"])
             gauges["tokenmill_kv_blocks_free"] = ("KV blocks free", usage["blocks_total"] - usage["blocks_used"])
+        counters = {
+            "tokenmill_preemptions_total": ("sequences preempted to free KV memory", engine.preemptions if engine else 0),
+        }
         lines = []
-        for name, (help_text, value) in gauges.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for kind, metrics in (("gauge", gauges), ("counter", counters)):
+            for name, (help_text, value) in metrics.items():
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         resp.content_type = "text/plain; version=0.0.4"
         resp.text = "\n".join(lines) + "\n"
 

@@ -133,18 +133,19 @@ def test_a_model_outside_the_attention_interface_is_refused(paged_model, tiny_mo
         build_engine(paged_model, tiny_model[1], backend="paged")
 
 
-def test_block_pool_counts_references():
+def test_block_pool_hands_out_zeroed_blocks_all_or_nothing_and_takes_them_back():
     from tokenmill_plugins.kv.paged import PagedPool
 
     pool = PagedPool(layers=1, num_blocks=4, block_size=2, kv_heads=1, head_dim=2, dtype=torch.float32,
                      device=torch.device("cpu"))
     assert pool.reserve(1, 3) and pool.blocks_of(1) == [1, 2] and pool.free_blocks() == 2
     assert not pool.reserve(2, 7) and pool.blocks_of(2) == [] and pool.free_blocks() == 2, "all or nothing"
-    pool.share(2, pool.blocks_of(1)[:1])
+    assert pool.reserve(1, 4) and pool.blocks_of(1) == [1, 2], "growing within its last block takes nothing"
+    pool.layer(0)[0][1:3] = 7.0
     pool.free(1)
-    assert pool.free_blocks() == 3, "the shared block stays while sequence 2 holds it"
-    pool.free(2)
-    assert pool.free_blocks() == 4
+    assert pool.free_blocks() == 4 and pool.ref_counts == [0] * 5
+    assert pool.reserve(3, 2) and torch.count_nonzero(pool.layer(0)[0][pool.blocks_of(3)]) == 0, \
+        "a block is handed out zeroed"
     assert torch.count_nonzero(pool.layer(0)[0][0]) == 0, "block 0 is the zero block"
 
 
@@ -180,3 +181,23 @@ def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, e
         assert state.engine.healthy
     finally:
         state.engine.stop()
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda config: setattr(config, "attn_logit_softcapping", 50.0), "soft-capping"),
+    (lambda config: setattr(config, "attention_chunk_size", 8), "chunked attention"),
+    (lambda config: setattr(config, "layer_types", ["full_attention", "conv"]), "conv layers"),
+])
+def test_models_the_paged_layout_would_get_wrong_are_refused(paged_model, change, reason):
+    from tokenmill_plugins.backends.paged import PagedBackend
+
+    assert PagedBackend().model_unsupported_reason(paged_model) is None
+    change(paged_model.config)
+    assert reason in PagedBackend().model_unsupported_reason(paged_model)
+
+
+def test_flash_refuses_float32_models_so_auto_moves_on(paged_model):
+    from tokenmill_plugins.backends.paged import FlashBackend
+
+    assert "float16 and bfloat16 only" in FlashBackend().model_unsupported_reason(paged_model)
+    assert FlashBackend().model_unsupported_reason(paged_model.to(torch.bfloat16)) is None

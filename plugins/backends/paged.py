@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 import tokenmill
 from tokenmill.accelerators import flash_attn_unavailable_reason
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput, StepOutput
+from tokenmill.kv_memory import model_kv_shape
 from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
@@ -144,9 +145,22 @@ class PagedBackend(Backend):
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
 
     def model_unsupported_reason(self, model: Any) -> str | None:
+        name = type(model).__name__
         if not getattr(model, "_supports_attention_backend", False):
-            return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            return (f"{name} does not route attention through transformers' AttentionInterface, "
                     f"so the {self.name} backend cannot run it; use --backend transformers")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+        if other_layers:
+            return (f"{name} has {', '.join(sorted(other_layers))} layers, which keep state outside the KV cache; "
+                    "use --backend transformers")
+        for attribute, what in (("attn_logit_softcapping", "attention logit soft-capping"),
+                                ("attention_chunk_size", "chunked attention"),
+                                ("num_kv_shared_layers", "layers that share another layer's KV")):
+            if getattr(config, attribute, None):
+                return f"{name} uses {what}, which the {self.name} backend does not implement; use --backend transformers"
+        if any(hasattr(module, "sinks") for module in model.modules()):
+            return f"{name} uses attention sinks, which the {self.name} backend does not implement; use --backend transformers"
         return None
 
     def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
@@ -165,6 +179,18 @@ class FlashBackend(PagedBackend):
 
     def unavailable_reason(self) -> str | None:
         return flash_attn_unavailable_reason()
+
+    def model_unsupported_reason(self, model: Any) -> str | None:
+        reason = super().model_unsupported_reason(model)
+        if reason:
+            return reason
+        dtype = next(model.parameters()).dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn runs float16 and bfloat16 only (the model is {str(dtype).replace('torch.', '')}); use --dtype bfloat16 or --backend paged"
+        _, _, head_dim = model_kv_shape(model.config)
+        if head_dim > 256 or head_dim % 8:
+            return f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); use --backend paged"
+        return None
 
 
 @tokenmill.hookimpl

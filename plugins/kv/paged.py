@@ -2,8 +2,8 @@
 
 A sequence owns a block table (its blocks in order); blocks come off a free list
 as it grows and go back the moment it finishes, is cancelled or is preempted.
-Reference counts let a block belong to several sequences (prefix sharing) and
-return to the free list only when the last one lets go. Block 0 is never handed
+Each block has a reference count, so that a later prefix cache can let several
+sequences hold one block; it returns to the free list when the count drops to 0. Block 0 is never handed
 out: it stays zeroed, so padded reads in a kernel see zeros, not garbage.
 """
 
@@ -40,9 +40,6 @@ class PagedPool(BlockPool):
     def free_blocks(self) -> int:
         return len(self.free_list)
 
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_list)
-
     def blocks_of(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
 
@@ -66,12 +63,6 @@ class PagedPool(BlockPool):
     def _zero(self, blocks: torch.Tensor) -> None:
         for tensor in self.keys + self.values:
             tensor.index_fill_(0, blocks, 0)
-
-    def share(self, seq_id: int, blocks: list[int]) -> None:
-        """Let ``seq_id`` start with ``blocks`` (a common prefix), counting one more user for each."""
-        for block in blocks:
-            self.ref_counts[block] += 1
-        self.tables.setdefault(seq_id, []).extend(blocks)
 
     def free(self, seq_id: int) -> None:
         for block in self.tables.pop(seq_id, []):
@@ -98,7 +89,7 @@ class PagedKVAllocator(KVAllocator):
     def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
                block_size: int) -> BlockPool:
         layers, kv_heads, head_dim = model_kv_shape(model_config)
-        num_blocks = max(1, max_tokens // block_size)
+        num_blocks = max(1, -(-max_tokens // block_size))  # whole blocks: never fewer positions than asked
         return PagedPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
 
 

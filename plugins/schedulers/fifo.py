@@ -4,8 +4,9 @@ A waiting request starts when its prompt fits what is left of this step's prefil
 budget (``--max-batch-prefill-tokens``; for a padded backend a prefill of n
 prompts costs n × the longest; a backend with chunked prefill starts a long
 prompt now and finishes it over the next steps) and its KV memory fits: with a
-block pool, the blocks of its prompt must be free now, keeping one block per
-running sequence for it to grow into; otherwise its whole lifetime (prompt +
+block pool, the blocks of its prompt must be free now, keeping one block for
+each sequence that holds memory to grow into (none for a sequence alone);
+otherwise its whole lifetime (prompt +
 ``max_new_tokens``) must fit what the batch leaves of ``--max-batch-total-tokens``.
 Preempted sequences go back to the head of the line. The queue never skips
 ahead: the head of the line waits for room rather than be overtaken.
@@ -53,8 +54,9 @@ class FifoQueue(SchedulerQueue):
     def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
         limits = self.limits
         room = None if limits.max_batch_size is None else limits.max_batch_size - len(holding)
-        total_left = limits.max_batch_total_tokens - sum(s.max_tokens for s in holding)
-        if budget.kv_free_tokens is not None:
+        if budget.kv_free_tokens is None:
+            total_left = limits.max_batch_total_tokens - sum(s.max_tokens for s in holding)
+        else:
             kv_blocks_left = budget.kv_free_tokens // budget.block_size - len(holding)
         admitted: list[Sequence] = []
         prefill_tokens = longest = 0
@@ -71,7 +73,8 @@ class FifoQueue(SchedulerQueue):
                     break
                 total_left -= seq.max_tokens
             else:
-                needed = blocks_for(seq.total_len, budget.block_size) + 1
+                alone = not holding and not admitted
+                needed = blocks_for(seq.total_len, budget.block_size) + (0 if alone else 1)
                 if needed > kv_blocks_left:
                     break
                 kv_blocks_left -= needed
