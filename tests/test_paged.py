@@ -201,3 +201,14 @@ def test_flash_refuses_float32_models_so_auto_moves_on(paged_model):
 
     assert "float16 and bfloat16 only" in FlashBackend().model_unsupported_reason(paged_model)
     assert FlashBackend().model_unsupported_reason(paged_model.to(torch.bfloat16)) is None
+
+
+def test_a_request_as_long_as_the_whole_pool_runs_alone_and_the_queue_moves_on(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, block_size=16,
+                          max_batch_total_tokens=64)  # 4 blocks
+    requests = [(PROMPTS[1], 64 - 9, 0), (PROMPTS[2], 20, 0)]  # the first fills the pool to its last position
+    sinks, _ = run(engine, requests)
+    assert [len(s.token_ids) for s in sinks] == [55, 20]  # the second ran beside it until preempted
+    check_against_generate(tiny_model[0], tokenizer, requests, sinks)
+    assert_pool_empty(engine)
