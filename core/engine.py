@@ -236,7 +236,11 @@ class Engine:
         if decoding:
             assert out.decode_logits is not None
             self._advance(decoding, out.decode_logits)
-        if prefilling:
+        if out.prefill_error is not None:
+            error = out.prefill_error
+            log.error("prefill failed: %s: %s", type(error).__name__, error)
+            self._fail(prefilling, f"prefill failed: {type(error).__name__}: {error}")
+        elif prefilling:
             assert out.prefill is not None
             self._prefilled(prefilling, chunks, out.prefill)
 

@@ -189,6 +189,8 @@ class StepOutput:
     prefill: PrefillOutput | None
     decode_logits: torch.Tensor | None
     """``[len(decode), vocab]``: the logits after each decoding sequence's newest token."""
+    prefill_error: Exception | None = None
+    """Set by a backend that runs prefill apart from decode when only the prefill failed."""
 
 
 class BackendRunner(Protocol):

@@ -328,3 +328,24 @@ def test_stop_fails_queued_and_running_requests(tiny_model):
     late = Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 5), late)
     assert isinstance(late.events[-1], ErrorEvent), "a request after the stop fails at once"
+
+
+def test_a_newcomer_whose_prefill_fails_leaves_the_running_batch_alone(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True)
+    running = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 10), running)
+    engine.run_once()
+    inner_prefill = engine.runner.prefill
+
+    def failing_prefill(seqs, want):
+        raise MemoryError("no room for that prompt")
+
+    engine.runner.prefill = failing_prefill
+    newcomer = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[6], 10), newcomer)
+    engine.run_once()
+    engine.runner.prefill = inner_prefill
+    assert isinstance(newcomer.events[-1], ErrorEvent) and "no room" in newcomer.events[-1].message
+    run_until_done(engine, [running])
+    assert running.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 10)

@@ -70,11 +70,15 @@ class TransformersRunner(BackendRunner):
         groups = ([plain] if plain else []) + [[row] for row, want in enumerate(want_prompt_logits) if want]
         last_logits: list[torch.Tensor] = [torch.empty(0)] * len(prefill)
         prompt_logits: list[torch.Tensor | None] = [None] * len(prefill)
-        for rows in groups:
-            out = self.prefill([prefill[r] for r in rows], [want_prompt_logits[r] for r in rows])
-            for index, row in enumerate(rows):
-                last_logits[row] = out.last_logits[index]
-                prompt_logits[row] = out.prompt_logits[index]
+        try:
+            for rows in groups:
+                out = self.prefill([prefill[r] for r in rows], [want_prompt_logits[r] for r in rows])
+                for index, row in enumerate(rows):
+                    last_logits[row] = out.last_logits[index]
+                    prompt_logits[row] = out.prompt_logits[index]
+        except Exception as error:  # noqa: BLE001 - the running rows already decoded: keep their step
+            self.release(prefill)
+            return StepOutput(None, decode_logits, prefill_error=error)
         return StepOutput(PrefillOutput(torch.stack(last_logits), prompt_logits), decode_logits)
 
     @torch.inference_mode()
