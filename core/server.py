@@ -24,12 +24,11 @@ import pluggy
 
 from tokenmill import __version__
 from tokenmill.config import Config
-from tokenmill.engine import Engine, eos_token_ids
-from tokenmill.interfaces import BatchLimits
-from tokenmill.kv_memory import bytes_per_token
-from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, build_plugin_manager, choose_all
+from tokenmill.engine import Engine
+from tokenmill.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.plugins import Chosen, build_plugin_manager
 from tokenmill.sequence import ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.startup import start_engine
 from tokenmill.validation import ValidationError, parse_body, validate_generate
 
 log = logging.getLogger(__name__)
@@ -48,37 +47,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
-
-
-def available_memory_bytes() -> int:
-    """RAM available now (Linux MemAvailable), or total physical memory elsewhere."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> int:
-    """How many positions the KV pool holds when --max-batch-total-tokens is not given:
-    the memory left after loading, within the configured fraction."""
-    import torch
-
-    if loaded.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.device)
-        budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
-    else:
-        budget = available_memory_bytes() * config.kv_memory_fraction
-    per_token = bytes_per_token(model_config, loaded.dtype)
-    context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
-    tokens = int(max(0, budget) // per_token)
-    ceiling = 64 * (config.max_total_tokens or context)  # enough for 64 full-length sequences
-    log.info("KV pool: %d positions (%.0f MiB of %.0f MiB allowed)", min(tokens, ceiling),
-             min(tokens, ceiling) * per_token / 2**20, budget / 2**20)
-    return min(tokens, ceiling)
 
 
 class Slot:
@@ -115,79 +83,13 @@ class ServerState:
     # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
 
     def load(self) -> None:
-        config = self.config
-        chosen = choose_all(self.pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
-                            config.block_size)
-        loaded = load_model(config.model_id, config.revision, config.dtype, self._padded_attention(chosen),
-                            config.trust_remote_code, self.stages)
-        chosen = self._fit_backend(chosen, loaded.model)
+        started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
+        self.loaded, self.vocab_size = started.loaded, started.vocab_size
+        started.engine.start()
+        self.engine = started.engine
+
+    def _set_chosen(self, chosen: Chosen) -> None:
         self.chosen = chosen
-        model_config = loaded.model.config
-        context = getattr(model_config, "max_position_embeddings", None)
-        paged = chosen.backend.kv_layout == "paged"
-        if paged and config.max_batch_total_tokens is None:
-            pool = kv_pool_tokens(config, model_config, loaded)
-            needed = config.max_total_tokens or min(context or 4096, 4096)
-            if pool < needed:
-                raise ModelLoadError(
-                    f"the KV block pool would hold only {pool} positions in the memory left, fewer than one "
-                    f"request of {needed} tokens; raise --kv-memory-fraction / --cuda-memory-fraction, lower "
-                    "--max-total-tokens, or set --max-batch-total-tokens")
-            config.max_batch_total_tokens = pool
-        config.resolve_limits(context)
-        assert config.max_total_tokens and config.max_input_tokens
-        assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
-        if context and config.max_total_tokens > context:
-            log.warning("--max-total-tokens %d exceeds the model's context of %d positions",
-                        config.max_total_tokens, context)
-        kv_store = chosen.kv_allocator.create(model_config, loaded.dtype, loaded.device,
-                                              config.max_batch_total_tokens, chosen.block_size)
-        runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)
-        queue = chosen.scheduler.create(BatchLimits(
-            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-            max_batch_total_tokens=config.max_batch_total_tokens,
-            max_batch_size=config.max_batch_size,
-            padded=not paged,
-        ))
-        engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                        config.max_batch_prefill_tokens, self.pm, chosen.block_size if paged else 1)
-        self.vocab_size = loaded.model.get_input_embeddings().num_embeddings
-        warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-        self.stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(self.vocab_size, len(loaded.tokenizer))))
-        self.loaded = loaded
-        engine.start()
-        self.engine = engine
-        log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
-                 chosen.backend.name, chosen.attention.name)
-
-    def _fit_backend(self, chosen: Chosen, model: Any) -> Chosen:
-        """The chosen plugins if the backend can run ``model``; with ``auto``, the next backend that can."""
-        config = self.config
-        unsupported = chosen.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
-        if not unsupported:
-            return chosen
-        if config.backend != "auto":
-            raise ModelLoadError(unsupported)
-        reasons = [unsupported]
-        later = AUTO_BACKENDS[AUTO_BACKENDS.index(chosen.backend.name) + 1 :]
-        for name in later:
-            try:
-                candidate = choose_all(self.pm, name, config.attention, config.kv_allocator, config.scheduler,
-                                       config.block_size)
-            except PluginError as error:
-                reasons.append(str(error))
-                continue
-            reason = candidate.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
-            if reason is None:
-                log.warning("%s; --backend auto takes the %s backend", "; ".join(reasons), name)
-                return candidate
-            reasons.append(reason)
-        raise ModelLoadError("--backend auto found no backend for this model: " + "; ".join(reasons))
-
-    @staticmethod
-    def _padded_attention(chosen: Chosen) -> str:
-        """The attn_implementation to load with: the kernel's own, or sdpa until a paged backend takes over."""
-        return chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
 
     def load_or_exit(self) -> None:
         try:

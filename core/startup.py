@@ -1,0 +1,133 @@
+"""From a configuration to a warmed-up engine: plugins, model, KV memory, limits.
+
+Runs in the loader thread while the HTTP server already answers /health (503).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pluggy
+import torch
+
+from tokenmill.config import Config
+from tokenmill.engine import Engine, eos_token_ids
+from tokenmill.interfaces import BatchLimits
+from tokenmill.kv_memory import bytes_per_token
+from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
+from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose_all
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Started:
+    engine: Engine
+    loaded: LoadedModel
+    chosen: Chosen
+    vocab_size: int
+    """Rows of the model's input embeddings: token ids must stay below it."""
+
+
+def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
+                 on_chosen: Callable[[Chosen], None] | None = None) -> Started:
+    """Choose the plugins, load the model, size KV memory, resolve the limits and warm up.
+    The engine is returned ready but not started."""
+    chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
+                        config.block_size)
+    # A paged backend routes attention itself once it runs; until then the model loads with sdpa.
+    attention = chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
+    loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code, stages)
+    chosen = fit_backend(pm, config, chosen, loaded.model)
+    if on_chosen:
+        on_chosen(chosen)
+    model_config = loaded.model.config
+    context = getattr(model_config, "max_position_embeddings", None)
+    paged = chosen.backend.kv_layout == "paged"  # type: ignore[attr-defined]
+    if paged and config.max_batch_total_tokens is None:
+        pool = kv_pool_tokens(config, model_config, loaded)
+        needed = config.max_total_tokens or min(context or 4096, 4096)
+        if pool < needed:
+            raise ModelLoadError(
+                f"the KV block pool would hold only {pool} positions in the memory left, fewer than one "
+                f"request of {needed} tokens; raise --kv-memory-fraction / --cuda-memory-fraction, lower "
+                "--max-total-tokens, or set --max-batch-total-tokens")
+        config.max_batch_total_tokens = pool
+    config.resolve_limits(context)
+    assert config.max_total_tokens and config.max_input_tokens
+    assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
+    if context and config.max_total_tokens > context:
+        log.warning("--max-total-tokens %d exceeds the model's context of %d positions",
+                    config.max_total_tokens, context)
+    kv_store = chosen.kv_allocator.create(model_config, loaded.dtype, loaded.device,  # type: ignore[attr-defined]
+                                          config.max_batch_total_tokens, chosen.block_size)
+    runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)  # type: ignore[attr-defined]
+    queue = chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+        max_batch_size=config.max_batch_size,
+        padded=not paged,
+    ))
+    engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
+                    config.max_batch_prefill_tokens, pm, chosen.block_size if paged else 1)
+    vocab_size = loaded.model.get_input_embeddings().num_embeddings
+    warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
+    stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))
+    log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
+             chosen.backend.name, chosen.attention.name)
+    return Started(engine, loaded, chosen, vocab_size)
+
+
+def fit_backend(pm: pluggy.PluginManager, config: Config, chosen: Chosen, model: Any) -> Chosen:
+    """The chosen plugins if the backend can run ``model``; with ``auto``, the next backend that can."""
+    unsupported = chosen.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+    if not unsupported:
+        return chosen
+    if config.backend != "auto":
+        raise ModelLoadError(unsupported)
+    reasons = [unsupported]
+    for name in AUTO_BACKENDS[AUTO_BACKENDS.index(chosen.backend.name) + 1 :]:
+        try:
+            candidate = choose_all(pm, name, config.attention, config.kv_allocator, config.scheduler,
+                                   config.block_size)
+        except PluginError as error:
+            reasons.append(str(error))
+            continue
+        reason = candidate.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+        if reason is None:
+            log.warning("%s; --backend auto takes the %s backend", "; ".join(reasons), name)
+            return candidate
+        reasons.append(reason)
+    raise ModelLoadError("--backend auto found no backend for this model: " + "; ".join(reasons))
+
+
+def available_memory_bytes() -> int:
+    """RAM available now (Linux MemAvailable), or total physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> int:
+    """How many positions the KV pool holds when --max-batch-total-tokens is not given:
+    the memory left after loading, within the configured fraction."""
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
+    else:
+        budget = available_memory_bytes() * config.kv_memory_fraction
+    per_token = bytes_per_token(model_config, loaded.dtype)
+    context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
+    tokens = int(max(0, budget) // per_token)
+    ceiling = 64 * (config.max_total_tokens or context)  # enough for 64 full-length sequences
+    log.info("KV pool: %d positions (%.0f MiB of %.0f MiB allowed)", min(tokens, ceiling),
+             min(tokens, ceiling) * per_token / 2**20, budget / 2**20)
+    return min(tokens, ceiling)
