@@ -13,40 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from concurrency import chat_prompts, free_port, one  # noqa: E402
-
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
+from concurrency import chat_prompts, one, start  # noqa: E402
 
 BACKENDS = ("transformers", "paged")
-
-
-def start(backend: str, log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "tokenmill", "launch", "--server", "uvicorn", "--hostname", "127.0.0.1",
-               "--port", str(port), "--backend", backend, "--max-batch-total-tokens", "65536"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{backend} server exited with {process.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"{backend} server did not become healthy")
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -73,7 +50,7 @@ def part_one(levels: list[int], new_tokens: int) -> None:
     peaks: dict[str, float] = {}
     for backend in BACKENDS:
         with tempfile.NamedTemporaryFile("wb", prefix=f"tokenmill-{backend}-", suffix=".log", delete=False) as log:
-            process, url = start(backend, log)
+            process, url = start(["--backend", backend, "--max-batch-total-tokens", "65536"], log)
             try:
                 one(url, chat_prompts(1)[0], 8)
                 results[backend] = {c: throughput(url, c, new_tokens) for c in levels}

@@ -38,12 +38,11 @@ def chat_prompts(count: int) -> list[str]:
     return [template.format(TOPICS[i % len(TOPICS)]) for i in range(count)]
 
 
-def start(args: argparse.Namespace, log) -> tuple[subprocess.Popen, str]:
+def start(launch_args: list[str], log) -> tuple[subprocess.Popen, str]:
+    """Start ``tokenmill launch`` (uvicorn) on a free loopback port; wait until /health says 200."""
     port = free_port()
     command = [sys.executable, "-m", "tokenmill", "launch", "--server", "uvicorn", "--hostname", "127.0.0.1",
-               "--port", str(port)]
-    if args.model_id:
-        command += ["--model-id", args.model_id]
+               "--port", str(port), *launch_args]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -87,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = chat_prompts(args.requests)
     with tempfile.NamedTemporaryFile("wb", prefix="tokenmill-bench-", suffix=".log", delete=False) as log:
-        process, url = start(args, log)
+        process, url = start(["--model-id", args.model_id] if args.model_id else [], log)
         try:
             one(url, prompts[0], 8)  # warm the path once more
             sequential = run_load(url, prompts, args.new_tokens, concurrency=1)

@@ -35,6 +35,17 @@ def reference_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: in
     return out[0, ids["input_ids"].shape[1]:].tolist()
 
 
+def tiny_mistral(sliding_window: int = 6):
+    """A tiny random Mistral whose sliding window is shorter than the test prompts."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+                           initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
+    return MistralForCausalLM(config).eval()
+
+
 def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, ignore_eos: bool = False,
                  backend: str = "transformers", block_size: int = 16, **limits: Any) -> Engine:
     """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens.

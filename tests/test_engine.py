@@ -11,7 +11,7 @@ import tokenmill
 from tokenmill.plugins import build_plugin_manager
 from tokenmill.sequence import ErrorEvent, SamplingParams
 
-from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 
 def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
     model, tokenizer = tiny_model
@@ -189,14 +189,8 @@ def test_the_batch_respects_max_batch_total_tokens_and_max_batch_size(tiny_model
 
 
 def test_sliding_window_models_batch_and_match_generate(tiny_model):
-    from transformers import MistralConfig, MistralForCausalLM
-
     _, tokenizer = tiny_model
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-                           initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
-    model = MistralForCausalLM(config).eval()
+    model = tiny_mistral()
     engine = build_engine(model, tokenizer, ignore_eos=True)
     sinks = [Collector() for _ in PROMPTS[:4]]
     for prompt, sink in zip(PROMPTS[:4], sinks):

@@ -6,12 +6,10 @@ are back in the pool at the end.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all
 
 
@@ -111,16 +109,9 @@ def test_prompt_logprobs_match_the_transformers_backend(paged_model, tiny_model)
 
 
 def test_sliding_window_attention_in_the_paged_kernel(tiny_model):
-    from transformers import MistralConfig, MistralForCausalLM
-
     _, tokenizer = tiny_model
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-                           initializer_range=0.3, tie_word_embeddings=True, pad_token_id=2, eos_token_id=2)
-    reference_model = MistralForCausalLM(config).eval()
-    paged_model = MistralForCausalLM(copy.deepcopy(config)).eval()  # its own config: paged attention is set there
-    paged_model.load_state_dict(reference_model.state_dict())
+    reference_model = tiny_mistral()
+    paged_model = tiny_mistral()  # the same weights (same seed), and its own config: paged attention is set there
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=7)
     requests = [(prompt, 12, 0) for prompt in PROMPTS[:4]]
     sinks, _ = run(engine, requests)
