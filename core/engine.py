@@ -76,12 +76,10 @@ class Engine:
         eos_ids: set[int],
         prefill_budget: int,
         pm: pluggy.PluginManager | None = None,
-        block_size: int = 1,
     ) -> None:
         self.runner = runner
         self.queue = queue
         self.prefill_budget = prefill_budget
-        self.block_size = block_size
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -255,7 +253,8 @@ class Engine:
                 budget -= chunk
         if budget <= 0:
             return plan
-        step_budget = StepBudget(budget, self.runner.chunked_prefill, self.runner.kv_free_tokens(), self.block_size)
+        step_budget = StepBudget(budget, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
+                                 self.runner.kv_block_size)
         for seq in self.queue.admit(self.running + self.prefilling, step_budget):
             chunk = self._chunk(seq, budget)
             if not chunk:  # it must go whole and does not fit what is left: first in line next step

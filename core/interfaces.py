@@ -198,6 +198,8 @@ class BackendRunner(Protocol):
 
     chunked_prefill: bool
     """Whether a step accepts part of a prompt (the rest follows in later steps)."""
+    kv_block_size: int
+    """Positions per KV block (1 where memory is not counted in blocks)."""
 
     def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
              decode: list[Sequence]) -> StepOutput:

@@ -335,12 +335,8 @@ class Generation:
             slot.release()
             raise
 
-        def cancel() -> None:
-            engine.cancel(seq)
-            channel.disconnected()
-            slot.release()  # also when the response never started streaming
-
-        on_disconnect(req, cancel)
+        on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
+        on_disconnect(req, slot.release)  # also when the response never started streaming
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.sse = self.events(engine, seq, channel, request, request_id, slot)

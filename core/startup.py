@@ -72,7 +72,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         padded=not paged,
     ))
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                    config.max_batch_prefill_tokens, pm, chosen.block_size if paged else 1)
+                    config.max_batch_prefill_tokens, pm)
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
     stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))

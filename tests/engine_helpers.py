@@ -61,8 +61,7 @@ def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = N
     store = chosen.kv_allocator.create(model.config, model.dtype, model.device, total, chosen.block_size)
     runner = chosen.backend.create(model, store, chosen.attention)
     eos = set() if ignore_eos else eos_token_ids(model, tokenizer)
-    return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm,
-                  chosen.block_size if paged else 1)
+    return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm)
 
 
 def greedy_request(tokenizer: Any, prompt: str, max_new_tokens: int, **extra: Any) -> GenerationRequest:

@@ -54,6 +54,10 @@ class PagedRunner(BackendRunner):
         self.kernel = kernel
         self.device = next(model.parameters()).device
 
+    @property
+    def kv_block_size(self) -> int:
+        return self.pool.block_size
+
     def kv_free_tokens(self) -> int:
         return self.pool.free_blocks() * self.pool.block_size
 
@@ -110,17 +114,16 @@ class PagedRunner(BackendRunner):
         slots: list[torch.Tensor] = []
         query_starts: list[int] = []
         tables = [self.pool.blocks_of(s.id) for s in seqs]
-        for seq, start, length, table in zip(seqs, starts, lengths, tables):
+        block_tables = torch.zeros((len(seqs), max(len(t) for t in tables)), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        for row, (seq, start, length) in enumerate(zip(seqs, starts, lengths)):
             query_starts.append(len(tokens))
             is_last_token = start == seq.total_len - 1
             tokens.extend([seq.last_token] if is_last_token else seq.token_ids[start : start + length])
             span = torch.arange(start, start + length)
             positions.extend(range(start, start + length))
-            slots.append(torch.tensor(table)[span // block_size] * block_size + span % block_size)
-        widest = max(len(t) for t in tables)
-        block_tables = torch.zeros((len(seqs), widest), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots.append(block_tables[row, span // block_size].long() * block_size + span % block_size)
         context = [start + length for start, length in zip(starts, lengths)]
         step = PagedStep(
             pool=self.pool, kernel=self.kernel, slot_mapping=torch.cat(slots).to(self.device),
