@@ -1,0 +1,1 @@
+"""Benchmarks: tokenmill against its peers (`python -m bench`), the raw limit, engine latency."""

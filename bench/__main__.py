@@ -1,0 +1,5 @@
+"""`python -m bench`: see bench/harness.py."""
+
+from bench.harness import main
+
+main()

