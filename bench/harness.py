@@ -54,10 +54,27 @@ SCENARIOS = {
 def load_prompts(tokenizer: Any, path: Path = PROMPT_SET) -> tuple[list[Prompt], dict[str, Any]]:
     """The versioned prompt set, each prompt also rendered through the model's chat template."""
     data = json.loads(path.read_text())
-    prompts = [Prompt(p["id"], p["messages"], tokenizer.apply_chat_template(
-        p["messages"], add_generation_prompt=True, tokenize=False)) for p in data["prompts"]]
+    prompts = [render(tokenizer, p["id"], p["messages"]) for p in data["prompts"]]
     tokens = sum(len(tokenizer(p.text)["input_ids"]) for p in prompts)
     return prompts, {"version": data["version"], "count": len(prompts), "tokens": tokens}
+
+
+def render(tokenizer: Any, prompt_id: str, messages: list[dict[str, str]]) -> Prompt:
+    return Prompt(prompt_id, messages, tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=False))
+
+
+def numbered(tokenizer: Any, prompts: list[Prompt], first: int, count: int) -> list[Prompt]:
+    """Requests ``first`` .. ``first + count - 1``, cycling through ``prompts``, each user message
+    opening with its request number: no two requests of a run are the same text, so no system
+    answers a repeat from a prefix cache (a shared system prompt still is shared)."""
+    requests = []
+    for number in range(first, first + count):
+        base = prompts[number % len(prompts)]
+        messages = [dict(m) for m in base.messages]
+        messages[0]["content"] = f"Request {number}. {messages[0]['content']}"
+        requests.append(render(tokenizer, f"{base.id}#{number}", messages))
+    return requests
 
 
 def default_checkpoint() -> peers.Checkpoint:
@@ -114,7 +131,9 @@ class Progress:
 
 
 def bench_system(system: peers.System, scenario: Scenario, checkpoint: peers.Checkpoint, peers_dir: Path,
-                 prompts: list[Prompt], out_dir: Path, progress: Progress) -> dict[str, Any]:
+                 loads: list[list[Prompt]], out_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Start ``system``, warm it up, drive it with ``loads`` (one list of requests per concurrency
+    level, the warm-up request first), stop it."""
     entry: dict[str, Any] = {"api": system.api, "numeric_format": system.numeric_format, "note": system.note,
                              "levels": {}}
     missing = peers.missing_reason(system, checkpoint, peers_dir)
@@ -130,23 +149,33 @@ def bench_system(system: peers.System, scenario: Scenario, checkpoint: peers.Che
         return {**entry, "skipped": f"did not start: {str(error).splitlines()[0]}"}
     entry["startup_s"] = round(time.monotonic() - started, 1)
     with server:
-        warm = asyncio.run(run_load(server.url, system.api, prompts[:1], concurrency=1, requests=1,
+        warm_up, *levels = loads
+        warm = asyncio.run(run_load(server.url, system.api, warm_up, concurrency=1, requests=1,
                                     max_new_tokens=8, time_bound_s=300, model=system.model_name(checkpoint)))
         if warm.failed:
             progress.say(f"  warm-up request failed: {warm.errors}")
-        for concurrency in scenario.concurrency:
-            count = scenario.requests(concurrency)
+        for concurrency, requests in zip(scenario.concurrency, levels):
+            count = len(requests)
             label = f"{system.name} c={concurrency}"
             report: LoadReport = asyncio.run(run_load(
-                server.url, system.api, prompts, concurrency=concurrency, requests=count,
+                server.url, system.api, requests, concurrency=concurrency, requests=count,
                 max_new_tokens=scenario.max_new_tokens, time_bound_s=scenario.time_bound_s, model=system.model_name(checkpoint),
                 progress=progress.load(label, count)))
             report.peak_rss_mib = server.peak_rss_mib
             entry["levels"][str(concurrency)] = report.as_dict()
             progress.say(f"{label}: {report.tokens_per_s:.1f} tok/s, {report.completed} ok, {report.failed} failed, "
                          f"{report.unfinished} cut, p99 latency {report.latency_p99:.2f} s")
+            if report.unfinished:
+                settle(server.url, system, checkpoint, warm_up[0])
         entry["peak_rss_mib"] = server.peak_rss_mib
     return entry
+
+
+def settle(url: str, system: peers.System, checkpoint: peers.Checkpoint, prompt: Prompt) -> None:
+    """Wait out the work the time bound cut off: the server may still be finishing it, and the
+    next level must not pay for it. A one-token request answers once the server is through."""
+    asyncio.run(run_load(url, system.api, [prompt], concurrency=1, requests=1, max_new_tokens=1, time_bound_s=600,
+                         model=system.model_name(checkpoint)))
 
 
 def measure_limit(checkpoint: peers.Checkpoint, levels: tuple[int, ...], progress: Progress) -> dict[str, Any] | None:
@@ -164,7 +193,11 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
     from transformers import AutoTokenizer
 
     progress = Progress()
-    prompts, prompt_set = load_prompts(AutoTokenizer.from_pretrained(checkpoint.hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.hf_dir)
+    prompts, prompt_set = load_prompts(tokenizer)
+    counts = [1, *(scenario.requests(c) for c in scenario.concurrency)]
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    loads = [numbered(tokenizer, prompts, first, count) for first, count in zip(firsts, counts)]
     run: dict[str, Any] = {
         "scenario": scenario.name, "date": datetime.date.today().isoformat(), "command": command,
         "model": "SmolLM2-135M-Instruct" if checkpoint.gguf else checkpoint.hf_dir.name,
@@ -172,7 +205,7 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
         "requests_rule": f"max({scenario.min_requests}, 2 × concurrency)", "concurrency": list(scenario.concurrency),
         "machine": machine(), "versions": versions(checkpoint, peers_dir, systems), "systems": {}}
     for name in systems:
-        run["systems"][name] = bench_system(peers.SYSTEMS[name], scenario, checkpoint, peers_dir, prompts, out_dir,
+        run["systems"][name] = bench_system(peers.SYSTEMS[name], scenario, checkpoint, peers_dir, loads, out_dir,
                                             progress)
     if with_limit:
         run["limit"] = measure_limit(checkpoint, scenario.concurrency, progress)
@@ -194,7 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-limit", action="store_true", help="skip the raw batched-decode limit")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md", help="the results file to update")
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing files")
+    parser.add_argument("--from-json", type=Path, metavar="RUN.json",
+                        help="run nothing: write the section and chart of a saved run again")
     args, rest = parser.parse_known_args(argv)
+    if args.from_json:
+        return publish(json.loads(args.from_json.read_text()), args.out)
     if args.scenario == "latency":
         from bench import latency
 
@@ -218,13 +255,20 @@ def main(argv: list[str] | None = None) -> None:
 
         print(render_section(run))
         return
-    results_dir = args.out.parent / "results"  # beside the results file, which links the chart
+    publish(run, args.out)
+
+
+def publish(run: dict[str, Any], results_file: Path) -> None:
+    """Save the run as JSON, draw its chart, and write its section of ``results_file``."""
+    results_dir = results_file.parent / "results"  # beside the results file, which links the chart
     results_dir.mkdir(parents=True, exist_ok=True)
-    if plot(run, results_dir / f"{scenario.name}.png"):
-        run["chart"] = f"results/{scenario.name}.png"
-    (results_dir / f"{scenario.name}.json").write_text(json.dumps(run, indent=1) + "\n")
-    write_results(args.out, run)
-    print(f"wrote {args.out} and {results_dir / scenario.name}.json/.png", file=sys.stderr)
+    name = run["scenario"]
+    run.pop("chart", None)
+    if plot(run, results_dir / f"{name}.png"):
+        run["chart"] = f"results/{name}.png"
+    (results_dir / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")
+    write_results(results_file, run)
+    print(f"wrote {results_file} and {results_dir / name}.json/.png", file=sys.stderr)
 
 
 def setup_peers(systems: list[str], peers_dir: Path) -> None:

@@ -1,9 +1,9 @@
 """The limit a server works against: the model's own batched decode, no server around it.
 
-For each batch size, prefill ``batch`` copies of a short prompt into a transformers
+For each batch size, prefill ``batch`` random 64-token prompts into a transformers
 DynamicCache, then time ``steps`` greedy decode steps of the whole batch (one forward
 with the cache per step). Output tokens/s = batch × steps / time. Also times a 2048²
-matmul, the arithmetic ceiling of one weight multiplication on this machine.
+matmul: its rate over the model's matmul FLOPs per token is the arithmetic bound.
 
     python -m bench.limit --model DIR --batch 1 8 32 64 [--json]
 """
@@ -26,6 +26,12 @@ def matmul_gflops(size: int = 2048, dtype: torch.dtype = torch.float32, repeats:
     for _ in range(repeats):
         a @ b
     return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e9
+
+
+def gflop_per_token(model: Any) -> float:
+    """Twice the weights of every linear layer, the LM head included: the multiply-adds one
+    token costs in matmuls (attention over the context and the embedding lookup left out)."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) / 1e9
 
 
 @torch.no_grad()
@@ -57,12 +63,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     result = {"threads": torch.get_num_threads(), "matmul_gflops_fp32": matmul_gflops(),
               "matmul_gflops_bf16": matmul_gflops(dtype=torch.bfloat16),
+              "gflop_per_token": gflop_per_token(model),
               "decode": [decode_tokens_per_s(model, batch, args.steps) for batch in args.batch]}
+    result["arithmetic_bound_tokens_per_s"] = result["matmul_gflops_fp32"] / result["gflop_per_token"]
     if args.json:
         print(json.dumps(result))
         return
     print(f"torch threads {result['threads']}; 2048² matmul: fp32 {result['matmul_gflops_fp32']:.0f} GFLOP/s, "
-          f"bf16 {result['matmul_gflops_bf16']:.0f} GFLOP/s")
+          f"bf16 {result['matmul_gflops_bf16']:.0f} GFLOP/s; {result['gflop_per_token']:.3f} GFLOP a token, so fp32 "
+          f"decode stays under {result['arithmetic_bound_tokens_per_s']:.0f} tokens/s")
     for row in result["decode"]:
         print(f"batch {row['batch']:>3}: {row['tokens_per_s']:7.1f} tokens/s ({row['step_ms']:.1f} ms a step)")
 

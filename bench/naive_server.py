@@ -132,14 +132,18 @@ def make_handler(model: NaiveModel) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class QueueingServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # every client waits on the lock; none is refused at connect
+    daemon_threads = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(NaiveModel(args.model)))
-    server.daemon_threads = True
+    server = QueueingServer((args.host, args.port), make_handler(NaiveModel(args.model)))
     server.serve_forever()
 
 

