@@ -59,6 +59,47 @@ def test_paged_greedy_equals_generate_with_requests_joining_mid_batch(paged_mode
     assert_pool_empty(engine)
 
 
+def test_decode_rows_are_grouped_by_context_so_short_ones_are_not_padded_to_long_ones():
+    from tokenmill_plugins.attention.torch_kernels import decode_groups
+
+    assert decode_groups({row: 10 + row % 3 for row in range(32)}) == [list(range(32))]
+    assert decode_groups({0: 300, 1: 2, 2: 298, 3: 3}) == [[0, 2], [1, 3]]
+    assert decode_groups({}) == []
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_single_query_attention_matches_sdpa(dtype, tolerance):
+    from tokenmill_plugins.attention.torch_kernels import _decode_attention
+
+    torch.manual_seed(0)
+    sequences, context, heads, kv_heads, dim = 5, 48, 9, 3, 64
+    query = torch.randn(sequences, heads, 1, dim)
+    keys, values = torch.randn(sequences, context, kv_heads, dim), torch.randn(sequences, context, kv_heads, dim)
+    mask = (torch.arange(context) < torch.tensor([3, 48, 17, 30, 1])[:, None])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+    got = _decode_attention(query.to(dtype), keys.to(dtype), values.to(dtype), mask, dim**-0.5)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_groups_of_very_different_lengths_give_generates_tokens(paged_model, tiny_model, monkeypatch):
+    from tokenmill_plugins.attention import torch_kernels
+
+    _, tokenizer = tiny_model
+    seen_groups: list[int] = []
+    original = torch_kernels.decode_groups
+    monkeypatch.setattr(torch_kernels, "decode_groups", lambda rows: seen_groups.append(len(
+        result := original(rows))) or result)
+    long = " ".join(PROMPTS * 12)
+    requests = [(long, 12, 0), (PROMPTS[1], 12, 0), (" ".join(PROMPTS * 6), 12, 0), (PROMPTS[3], 12, 0)]
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, block_size=4)
+    sinks, _ = run(engine, requests)
+    assert max(seen_groups) >= 2
+    check_against_generate(tiny_model[0], tokenizer, requests, sinks)
+    assert_pool_empty(engine)
+
+
 def test_chunked_prefill_under_a_small_prefill_budget(paged_model, tiny_model):
     _, tokenizer = tiny_model
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
