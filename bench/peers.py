@@ -63,10 +63,10 @@ def venv_python(peers_dir: Path, venv: str) -> Path:
     return peers_dir / venv / "bin" / "python"
 
 
-def _tokenmill(backend: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+def _tokenmill(backend: str, *extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
     def command(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
         return [sys.executable, "-m", "tokenmill", "launch", "--server", "uvicorn", "--hostname", "127.0.0.1",
-                "--port", str(port), "--model-id", str(checkpoint.hf_dir), "--backend", backend]
+                "--port", str(port), "--model-id", str(checkpoint.hf_dir), "--backend", backend, *extra]
     return command
 
 
@@ -102,6 +102,8 @@ def _llama_cpp(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("tokenmill-paged", "tgi", "fp32", _tokenmill("paged")),
+    System("tokenmill-paged-bf16", "tgi", "bf16", _tokenmill("paged", "--dtype", "bfloat16"),
+           note="--dtype bfloat16; its greedy agreement with fp32: `python -m bench.agreement`"),
     System("tokenmill-transformers", "tgi", "fp32", _tokenmill("transformers")),
     System("naive-transformers", "chat", "fp32", _naive,
            note="one model.generate() per request behind a lock"),

@@ -1,0 +1,98 @@
+"""How often bfloat16 picks the same greedy tokens as float32, over the bench prompt set.
+
+Runs every prompt of ``bench/prompts/v1.json`` through two engines built as ``tokenmill
+launch`` builds them (the default model, the paged backend), one per dtype, greedily for
+``--new-tokens`` tokens with end-of-sequence ignored, and compares the two token lists of
+each prompt up to their first difference (after it the contexts differ, so later
+positions say nothing).
+
+    python -m bench.agreement [--dtype bfloat16] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+PROMPT_SET = Path(__file__).resolve().parent / "prompts" / "v1.json"
+
+
+def greedy_tokens(dtype: str | None, prompts: list[list[dict[str, str]]], new_tokens: int,
+                  model_id: str | None) -> list[list[int]]:
+    from tokenmill.config import Config
+    from tokenmill.loading import Stages
+    from tokenmill.plugins import build_plugin_manager
+    from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
+    from tokenmill.startup import start_engine
+
+    started = start_engine(Config(model_id=model_id, backend="paged", dtype=dtype), build_plugin_manager(), Stages())
+    engine = started.engine
+    engine.eos_ids = set()  # every prompt runs to new_tokens, so the lists compare position by position
+    tokenizer = started.loaded.tokenizer
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for row, messages in enumerate(prompts):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        sink: Any = lambda event, row=row: outputs[row].append(event.token.id) if isinstance(event, TokenEvent) else None
+        engine.submit(GenerationRequest("", ids, new_tokens, SamplingParams()), sink)
+    while any(len(out) < new_tokens for out in outputs):
+        engine.run_once()
+    return outputs
+
+
+def generate_tokens(dtype: str, prompts: list[list[dict[str, str]]], new_tokens: int) -> list[list[int]]:
+    """The same prompts through transformers' own ``model.generate()``, one at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.loading import converted_gguf, default_gguf
+
+    path = converted_gguf(default_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    outputs = []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+        outputs.append(out[0, ids["input_ids"].shape[1]:].tolist())
+    return outputs
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--model-id", default=None)
+    parser.add_argument("--generate", action="store_true",
+                        help="also compare each dtype with model.generate() of the default model")
+    args = parser.parse_args()
+    data = json.loads(PROMPT_SET.read_text())["prompts"]
+    prompts = [p["messages"] for p in data]
+    reference = greedy_tokens("float32", prompts, args.new_tokens, args.model_id)
+    other = greedy_tokens(args.dtype, prompts, args.new_tokens, args.model_id)
+    agreed = 0
+    for prompt, a, b in zip(data, reference, other):
+        same = first_difference(a, b)
+        agreed += same
+        print(f"{prompt['id']:<12} {'identical' if same == args.new_tokens else f'first differs at token {same}'}")
+    identical = sum(a == b for a, b in zip(reference, other))
+    total = args.new_tokens * len(prompts)
+    print(f"{args.dtype} against float32: {identical}/{len(prompts)} prompts identical; "
+          f"{agreed}/{total} tokens ({100 * agreed / total:.1f} %) before the first difference")
+    if args.generate:
+        for dtype, ours in (("float32", reference), (args.dtype, other)):
+            theirs = generate_tokens(dtype, prompts, args.new_tokens)
+            same = sum(first_difference(a, b) for a, b in zip(ours, theirs))
+            print(f"{dtype}: tokenmill against model.generate(): {sum(a == b for a, b in zip(ours, theirs))}/"
+                  f"{len(prompts)} prompts identical, {100 * same / total:.1f} % of tokens before the first difference")
+
+
+if __name__ == "__main__":
+    main()
