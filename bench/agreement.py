@@ -87,11 +87,19 @@ def main() -> None:
     print(f"{args.dtype} against float32: {identical}/{len(prompts)} prompts identical; "
           f"{agreed}/{total} tokens ({100 * agreed / total:.1f} %) before the first difference")
     if args.generate:
+        generated = {}
         for dtype, ours in (("float32", reference), (args.dtype, other)):
-            theirs = generate_tokens(dtype, prompts, args.new_tokens)
-            same = sum(first_difference(a, b) for a, b in zip(ours, theirs))
-            print(f"{dtype}: tokenmill against model.generate(): {sum(a == b for a, b in zip(ours, theirs))}/"
-                  f"{len(prompts)} prompts identical, {100 * same / total:.1f} % of tokens before the first difference")
+            theirs = generated[dtype] = generate_tokens(dtype, prompts, args.new_tokens)
+            print(f"{dtype}: tokenmill against model.generate(): " + agreement(ours, theirs))
+        print(f"model.generate() in {args.dtype} against float32: "
+              + agreement(generated[args.dtype], generated["float32"]))
+
+
+def agreement(first: list[list[int]], second: list[list[int]]) -> str:
+    same = sum(first_difference(a, b) for a, b in zip(first, second))
+    total = sum(len(a) for a in first)
+    return (f"{sum(a == b for a, b in zip(first, second))}/{len(first)} prompts identical, "
+            f"{100 * same / total:.1f} % of tokens before the first difference")
 
 
 if __name__ == "__main__":

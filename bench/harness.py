@@ -159,8 +159,8 @@ def bench_system(system: peers.System, scenario: Scenario, checkpoint: peers.Che
             label = f"{system.name} c={concurrency}"
             report: LoadReport = asyncio.run(run_load(
                 server.url, system.api, requests, concurrency=concurrency, requests=count,
-                max_new_tokens=scenario.max_new_tokens, time_bound_s=scenario.time_bound_s, model=system.model_name(checkpoint),
-                progress=progress.load(label, count)))
+                max_new_tokens=scenario.max_new_tokens, time_bound_s=scenario.time_bound_s,
+                model=system.model_name(checkpoint), progress=progress.load(label, count)))
             report.peak_rss_mib = server.peak_rss_mib
             entry["levels"][str(concurrency)] = report.as_dict()
             progress.say(f"{label}: {report.tokens_per_s:.1f} tok/s, {report.completed} ok, {report.failed} failed, "
