@@ -202,8 +202,12 @@ class RunningServer:
                                                           env.get("PYTHONPATH")]))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+        try:
+            self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        except OSError as error:
+            self._log.close()
+            raise ServerError(f"{system.name} could not start: {error}") from error
         self._stop_sampling = threading.Event()
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
         self._sampler.start()
