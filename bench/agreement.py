@@ -12,28 +12,23 @@ positions say nothing).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-PROMPT_SET = Path(__file__).resolve().parent / "prompts" / "v1.json"
+from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 
 
 def greedy_tokens(dtype: str | None, prompts: list[list[dict[str, str]]], new_tokens: int,
                   model_id: str | None) -> list[list[int]]:
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
     from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
-    from tokenmill.startup import start_engine
 
-    started = start_engine(Config(model_id=model_id, backend="paged", dtype=dtype), build_plugin_manager(), Stages())
+    # End-of-sequence ignored: every prompt runs to new_tokens, so the lists compare position by position.
+    started = start_ignoring_eos(Config(model_id=model_id, backend="paged", dtype=dtype))
     engine = started.engine
-    engine.eos_ids = set()  # every prompt runs to new_tokens, so the lists compare position by position
     tokenizer = started.loaded.tokenizer
     outputs: list[list[int]] = [[] for _ in prompts]
     for row, messages in enumerate(prompts):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = chat_ids(tokenizer, messages)
         sink: Any = lambda event, row=row: outputs[row].append(event.token.id) if isinstance(event, TokenEvent) else None
         engine.submit(GenerationRequest("", ids, new_tokens, SamplingParams()), sink)
     while any(len(out) < new_tokens for out in outputs):
@@ -73,7 +68,7 @@ def main() -> None:
     parser.add_argument("--generate", action="store_true",
                         help="also compare each dtype with model.generate() of the default model")
     args = parser.parse_args()
-    data = json.loads(PROMPT_SET.read_text())["prompts"]
+    data = prompt_set()["prompts"]
     prompts = [p["messages"] for p in data]
     reference = greedy_tokens("float32", prompts, args.new_tokens, args.model_id)
     other = greedy_tokens(args.dtype, prompts, args.new_tokens, args.model_id)

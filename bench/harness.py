@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
+from bench.engine import prompt_set
 from bench.loadgen import LoadReport, Prompt, RequestResult, run_load
 from bench.report import plot, write_results
 
 BENCH_DIR = Path(__file__).resolve().parent
-PROMPT_SET = BENCH_DIR / "prompts" / "v1.json"
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ SCENARIOS = {
 }
 
 
-def load_prompts(tokenizer: Any, path: Path = PROMPT_SET) -> tuple[list[Prompt], dict[str, Any]]:
+def load_prompts(tokenizer: Any) -> tuple[list[Prompt], dict[str, Any]]:
     """The versioned prompt set, each prompt also rendered through the model's chat template."""
-    data = json.loads(path.read_text())
+    data = prompt_set()
     prompts = [render(tokenizer, p["id"], p["messages"]) for p in data["prompts"]]
     tokens = sum(len(tokenizer(p.text)["input_ids"]) for p in prompts)
     return prompts, {"version": data["version"], "count": len(prompts), "tokens": tokens}

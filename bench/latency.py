@@ -56,9 +56,8 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
 
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.startup import start_engine
+
+    from bench.engine import start_ignoring_eos
 
     parser = argparse.ArgumentParser(prog="python -m bench latency", description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default=None, help="default: SmolLM2-135M-Instruct")
@@ -74,9 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_batch_prefill_tokens=most * args.sequence_length,
                     max_input_tokens=args.sequence_length, max_total_tokens=args.sequence_length + args.decode_length + 1,
                     max_batch_total_tokens=most * (args.sequence_length + args.decode_length + 16))
-    started = start_engine(config, build_plugin_manager(), Stages())
+    started = start_ignoring_eos(config)  # every sequence runs to its length
     engine = started.engine
-    engine.eos_ids = set()  # run every sequence to its length
     print(f"{started.loaded.model_id}: {started.chosen.backend.name} backend, {started.chosen.attention.name} "
           f"attention, {torch.get_num_threads()} threads; prompt {args.sequence_length} tokens, "
           f"{args.decode_length} decode steps, mean of {args.runs} runs")

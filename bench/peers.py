@@ -81,7 +81,7 @@ def _transformers_serve(continuous_batching: bool) -> Callable[[Checkpoint, int,
                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"]
         if continuous_batching:
             block = 32
-            blocks = KV_CACHE_GIB * 2**30 // (kv_bytes_per_token(checkpoint.hf_dir) * block)
+            blocks = KV_CACHE_GIB * 2**30 // (fp32_kv_bytes_per_token(checkpoint.hf_dir) * block)
             argv += ["--continuous-batching", "--cb-block-size", str(block), "--cb-num-blocks", str(blocks)]
         return argv
     return command
@@ -118,14 +118,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
 )}
 
 
-def kv_bytes_per_token(hf_dir: Path) -> int:
+def fp32_kv_bytes_per_token(hf_dir: Path) -> int:
     """fp32 K and V bytes per position for the checkpoint's config."""
-    import json
+    import torch
+    from transformers import AutoConfig
 
-    config = json.loads((hf_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+    from tokenmill.kv_memory import bytes_per_token
+
+    return bytes_per_token(AutoConfig.from_pretrained(hf_dir), torch.float32)
 
 
 def missing_reason(system: System, checkpoint: Checkpoint, peers_dir: Path) -> str | None:

@@ -12,13 +12,11 @@ such step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-PROMPT_SET = Path(__file__).resolve().parent / "prompts" / "v1.json"
+from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 
 
 def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: int,
@@ -60,9 +58,6 @@ def profiled(step: Any) -> float:
 
 def main() -> None:
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.startup import start_engine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
@@ -72,15 +67,10 @@ def main() -> None:
     parser.add_argument("--model-id", default=None)
     parser.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
     args = parser.parse_args()
-    started = start_engine(Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype),
-                           build_plugin_manager(), Stages())
-    engine = started.engine
-    engine.eos_ids = set()  # every request runs to --new-tokens
+    started = start_ignoring_eos(Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype))
     tokenizer = started.loaded.tokenizer
-    prompt_ids = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
-                  for p in json.loads(PROMPT_SET.read_text())["prompts"]]
-    result = run(engine, prompt_ids, args.concurrency, args.new_tokens, args.profile)
+    prompt_ids = [chat_ids(tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
+    result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile)
     print(f"{args.backend}, {started.loaded.dtype}, {args.concurrency} requests: {result['tokens_per_s']:.1f} tokens/s "
           f"over {result['wall_s']:.1f} s; {result['prefill_steps']} steps with prefill took {result['prefill_s']:.1f} s; "
           f"{result['decode_steps']} decode steps, median {result['decode_ms_median']:.0f} ms")

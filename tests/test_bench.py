@@ -262,13 +262,10 @@ def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_d
 
 def test_the_step_benchmark_splits_prefill_and_decode_steps(tiny_model_dir: Path) -> None:
     from bench import steps
+    from bench.engine import start_ignoring_eos
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.startup import start_engine
 
-    engine = start_engine(Config(model_id=str(tiny_model_dir), backend="paged"), build_plugin_manager(), Stages()).engine
-    engine.eos_ids = set()
+    engine = start_ignoring_eos(Config(model_id=str(tiny_model_dir), backend="paged")).engine
     result = steps.run(engine, [[1, 2, 3, 4, 5], list(range(10, 40))], concurrency=3, new_tokens=6, profile=None)
     assert result["prefill_steps"] >= 1 and result["decode_steps"] == 5
     assert result["tokens_per_s"] > 0 and engine.batch_size == 0

@@ -1,0 +1,31 @@
+"""What the in-process benchmarks share: the prompt set, and the engine as ``tokenmill launch``
+builds it (same plugins, KV sizing and warm-up) with end-of-sequence ignored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PROMPT_SET = Path(__file__).resolve().parent / "prompts" / "v1.json"
+
+
+def prompt_set(path: Path = PROMPT_SET) -> dict[str, Any]:
+    """The versioned prompt set: ``version``, ``description`` and ``prompts`` (id, kind, messages)."""
+    return json.loads(path.read_text())
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def start_ignoring_eos(config: Any) -> Any:
+    """``tokenmill.startup.Started`` for ``config``; every request then runs to its ``max_new_tokens``."""
+    from tokenmill.loading import Stages
+    from tokenmill.plugins import build_plugin_manager
+    from tokenmill.startup import start_engine
+
+    started = start_engine(config, build_plugin_manager(), Stages())
+    started.engine.eos_ids = set()
+    return started
