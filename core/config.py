@@ -44,6 +44,7 @@ class Config:
     kv_allocator: str | None = None
     block_size: int | None = None
     kv_memory_fraction: float = 0.3
+    prepack_weights: bool = True
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
 
@@ -143,6 +144,7 @@ _HELP = {
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
     "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
     "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
+    "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }

@@ -14,6 +14,7 @@ import pluggy
 import torch
 
 from tokenmill.config import Config
+from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
@@ -44,6 +45,9 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     chosen = fit_backend(pm, config, chosen, loaded.model)
     if on_chosen:
         on_chosen(chosen)
+    if config.prepack_weights and packing_unavailable_reason(loaded.model) is None:
+        packed = stages.run("packing weights", lambda: pack_linears(loaded.model), detail="oneDNN layout for CPU")
+        log.info("packed %d linear layers for oneDNN", packed)
     model_config = loaded.model.config
     context = getattr(model_config, "max_position_embeddings", None)
     paged = chosen.backend.kv_layout == "paged"  # type: ignore[attr-defined]

@@ -150,7 +150,8 @@ def test_health_info_and_metrics(tiny_server):
     assert info["max_input_tokens"] == 512 and info["max_total_tokens"] == 1024
     assert info["router"] == "tokenmill" and info["backend"] == tiny_server.backend
     assert info["model_dtype"] == "float32" and info["attention"] == "sdpa"
-    assert [s["stage"] for s in info["load_stages"]] == ["resolving", "loading weights", "warm-up"]
+    assert [s["stage"] for s in info["load_stages"]] == ["resolving", "loading weights", "packing weights",
+                                                         "warm-up"]
     assert all(s["seconds"] >= 0 for s in info["load_stages"])
     assert "tgi_queue_size 0" in metrics and "tgi_batch_current_size 0" in metrics
     if tiny_server.backend == "paged":
