@@ -47,7 +47,7 @@ def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend
     assert body["details"]["finish_reason"] == "eos_token"
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["backend"] == backend
     stages = {s["stage"]: s["seconds"] for s in info["load_stages"]}
-    assert set(stages) == {"resolving", "converting gguf", "loading weights", "warm-up"}
+    assert set(stages) == {"resolving", "converting gguf", "loading weights", "packing weights", "warm-up"}
     if fresh_cache:
         assert stages["converting gguf"] > 1.0, stages
 

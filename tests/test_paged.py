@@ -91,6 +91,7 @@ def test_decode_groups_of_very_different_lengths_give_generates_tokens(paged_mod
     original = torch_kernels.decode_groups
     monkeypatch.setattr(torch_kernels, "decode_groups", lambda rows: seen_groups.append(len(
         result := original(rows))) or result)
+    monkeypatch.setattr(torch_kernels.SdpaAttention, "_use_native", lambda self, device: False)  # the gather path
     long = " ".join(PROMPTS * 12)
     requests = [(long, 12, 0), (PROMPTS[1], 12, 0), (" ".join(PROMPTS * 6), 12, 0), (PROMPTS[3], 12, 0)]
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, block_size=4)
@@ -149,7 +150,12 @@ def test_prompt_logprobs_match_the_transformers_backend(paged_model, tiny_model)
                           torch.tensor([t.logprob for t in reference.prefill[1:]]), atol=1e-4)
 
 
-def test_sliding_window_attention_in_the_paged_kernel(tiny_model):
+@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "gathered-decode"])
+def test_sliding_window_attention_in_the_paged_kernel(tiny_model, native, monkeypatch):
+    from tokenmill_plugins.attention import torch_kernels
+
+    if not native:
+        monkeypatch.setattr(torch_kernels.SdpaAttention, "_use_native", lambda self, device: False)
     _, tokenizer = tiny_model
     reference_model = tiny_mistral()
     paged_model = tiny_mistral()  # the same weights (same seed), and its own config: paged attention is set there

@@ -1,4 +1,6 @@
-"""Attention in plain PyTorch: SDPA and eager for the padded layout, SDPA over gathered blocks for the paged one."""
+"""Attention in PyTorch: SDPA and eager for the padded layout; for the paged one, SDPA over
+gathered blocks, with decode rows on CPU read straight from the pool by tokenmill's native
+kernel where it builds."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tokenmill
+from tokenmill import native_kernels
 from tokenmill.interfaces import AttentionKernel, PagedStep
 
 
@@ -79,37 +82,67 @@ def decode_groups(context_blocks: dict[int, int]) -> list[list[int]]:
     return [sorted(group) for group in groups]  # in step order: one group's output needs no reordering
 
 
-def _step_plan(step: PagedStep, sliding_window: int | None) -> list[dict[str, Any]]:
-    """Decode tokens in groups of similar context length; each prefill chunk in its own group,
-    so that no sequence is padded to another's prompt length."""
+def _native_decode_plan(step: PagedStep, rows: list[int]) -> dict[str, Any]:
+    """All decode rows in one call of the native kernel, which reads each sequence's own blocks."""
+    device = step.slot_mapping.device
+    index = torch.tensor(rows, device=device)
+    return {"native": True, "tokens": torch.tensor([step.query_starts[r] for r in rows], device=device),
+            "block_tables": step.block_tables.index_select(0, index),
+            "context_lens": torch.tensor([step.context_lens[r] for r in rows], device=device)}
+
+
+def _step_plan(step: PagedStep, sliding_window: int | None, native: bool) -> list[dict[str, Any]]:
+    """Decode tokens in groups of similar context length (or all in one native call); each
+    prefill chunk in its own group, so that no sequence is padded to another's prompt length."""
     block_size = step.pool.block_size
     decoding = {r: -(-step.context_lens[r] // block_size) for r, n in enumerate(step.query_lens) if n == 1}
     prefilling = [r for r, n in enumerate(step.query_lens) if n > 1]
-    groups = decode_groups(decoding) + [[r] for r in prefilling]
-    return [_group_plan(step, rows, sliding_window) for rows in groups]
+    plans = [_group_plan(step, [r], sliding_window) for r in prefilling]
+    if native and decoding:
+        return [_native_decode_plan(step, sorted(decoding))] + plans
+    return [_group_plan(step, rows, sliding_window) for rows in decode_groups(decoding)] + plans
 
 
 class SdpaAttention(AttentionKernel):
     name = "sdpa"
     layouts = ("padded", "paged")
     transformers_name = "sdpa"
-    description = "torch scaled_dot_product_attention; paged: gathers each sequence's blocks (CPU and GPU)"
+    description = ("torch scaled_dot_product_attention; paged: gathers each sequence's blocks (CPU and GPU), "
+                   "decode rows on CPU by tokenmill's native kernel when it builds")
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._native: bool | None = None
+        """Whether decode rows on CPU go to the native kernel: decided (and built) at the first paged step."""
+
+    def _use_native(self, device: torch.device) -> bool:
+        if device.type != "cpu":
+            return False
+        if self._native is None:
+            self._native = native_kernels.native_unavailable_reason() is None
+        return self._native
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         step: PagedStep, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
         key = f"sdpa:{sliding_window}"
         plans = step.scratch.get(key)
         if plans is None:
-            plans = step.scratch[key] = _step_plan(step, sliding_window)
-        if len(plans) == 1 and max(step.query_lens) == 1:  # one decode group: tokens already in order
-            return self._attend(query, key_cache, value_cache, plans[0], scaling, decode=True)
+            plans = step.scratch[key] = _step_plan(step, sliding_window, self._use_native(query.device))
+        decode_only = max(step.query_lens) == 1
+        if len(plans) == 1 and decode_only:  # one decode group: tokens already in order
+            return self._run(query, key_cache, value_cache, plans[0], scaling, sliding_window, decode=True)
         out = torch.empty_like(query)
         for plan in plans:
-            out.index_copy_(0, plan["tokens"], self._attend(query, key_cache, value_cache, plan, scaling))
+            out.index_copy_(0, plan["tokens"], self._run(query, key_cache, value_cache, plan, scaling, sliding_window))
         return out
+
+    def _run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: dict[str, Any],
+             scaling: float, sliding_window: int | None, decode: bool = False) -> torch.Tensor:
+        if plan.get("native"):
+            rows = query if decode else query.index_select(0, plan["tokens"])
+            return native_kernels.paged_decode(rows, key_cache, value_cache, plan["block_tables"],
+                                               plan["context_lens"], sliding_window, scaling)
+        return self._attend(query, key_cache, value_cache, plan, scaling, decode)
 
     def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """``cache``'s rows ``blocks``, copied into a buffer that every layer and step reuses: a fresh

@@ -1,0 +1,70 @@
+"""tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder.
+
+The source ships in the package (``native/``); the build lands in torch's extensions cache
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so it compiles once
+per machine (~30 s on 2 cores) and later starts load it in well under a second. Without a
+C++ compiler and ninja the kernels are unavailable and callers keep their plain PyTorch
+path; ``TOKENMILL_NATIVE_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "native" / "paged_decode.cpp"
+
+
+def _compiler_flags() -> tuple[str, list[str]]:
+    """The build's name and flags: vector instructions only where this CPU has them (a
+    different CPU gets its own build, never one it cannot run)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp"]
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return f"tokenmill_paged_decode_{capability.lower()}", flags
+
+
+@functools.cache
+def _load() -> tuple[Any, str | None]:
+    if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "turned off by TOKENMILL_NATIVE_KERNELS"
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return None, f"no {' or '.join(missing)} on PATH to build them"
+    try:
+        from torch.utils.cpp_extension import load
+
+        name, flags = _compiler_flags()
+        module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        return module, None
+    except Exception as error:  # noqa: BLE001 - a failed build means the plain path, said once
+        return None, f"building them failed: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+
+
+def native_unavailable_reason() -> str | None:
+    """None when the native CPU kernels are built and loaded (building them now if needed)."""
+    module, reason = _load()
+    if reason:
+        log.warning("tokenmill's native CPU kernels are unavailable (%s); attention uses plain PyTorch", reason)
+    return reason
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, sliding_window: int | None,
+                 scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its blocks: ``query`` ``[seqs, heads, dim]``,
+    caches ``[blocks, block_size, kv_heads, dim]``; returns ``[seqs, heads, dim]``.
+    Call only when :func:`native_unavailable_reason` is None."""
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    return module.paged_decode(query, key_cache, value_cache, block_tables, context_lens, sliding_window or 0, scale)
