@@ -215,9 +215,10 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency"], default="quick",
+    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed"], default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
-                        + "; latency: prefill and decode latency per batch size, on the engine")
+                        + "; latency: prefill and decode latency per batch size, on the engine"
+                        + "; mixed: long and short requests under the fifo and priority schedulers")
     parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
     parser.add_argument("--setup-peers", action="store_true",
@@ -236,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         from bench import latency
 
         return latency.main(rest)
+    if args.scenario == "mixed":
+        from bench import mixed
+
+        return mixed.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     scenario = SCENARIOS[args.scenario]

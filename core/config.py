@@ -34,6 +34,12 @@ class Config:
     max_batch_prefill_tokens: int | None = None
     max_batch_total_tokens: int | None = None
     max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    priority_class_weights: str = "high=4000,normal=2000,low=0"
+    priority_aging: float = 100.0
+    priority_cost: float = 1.0
+    stream_buffer_tokens: int = 64
     hostname: str = "0.0.0.0"
     port: int = 3000
     payload_limit: int = 2_000_000
@@ -60,13 +66,16 @@ class Config:
                     f"--max-input-length ({self.max_input_length}) disagree; set only --max-input-tokens"
                 )
             self.max_input_tokens = self.max_input_length
-        positive = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
+        positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
                     "max_batch_total_tokens", "max_batch_size", "payload_limit", "block_size")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
-        for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens"):
+        self.class_weights()
+        if self.waiting_served_ratio < 0:
+            raise ConfigError(f"--waiting-served-ratio must be >= 0 (got {self.waiting_served_ratio})")
+        for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if not 0 <= self.port <= 65535:
@@ -91,6 +100,22 @@ class Config:
             raise ConfigError(
                 f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
             )
+
+    def class_weights(self) -> tuple[tuple[str, float], ...]:
+        """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""
+        from tokenmill.sequence import PRIORITY_CLASSES
+
+        weights: dict[str, float] = {}
+        for item in self.priority_class_weights.split(","):
+            name, _, value = item.partition("=")
+            try:
+                weights[name.strip()] = float(value)
+            except ValueError:
+                raise ConfigError(f"--priority-class-weights: {item!r} is not class=number") from None
+        if set(weights) != set(PRIORITY_CLASSES):
+            raise ConfigError(f"--priority-class-weights must give {', '.join(PRIORITY_CLASSES)} a weight each "
+                              f"(got {self.priority_class_weights!r})")
+        return tuple((name, weights[name]) for name in PRIORITY_CLASSES)
 
     def resolve_limits(self, model_max_positions: int | None) -> None:
         """Fill the token limits left unset from the model, as TGI does, then check again."""
@@ -134,6 +159,12 @@ _HELP = {
     "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50)",
     "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
     "max_batch_size": "most sequences in the running batch (default: no limit)",
+    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once)",
+    "max_waiting_tokens": "... or when this many decode steps have passed since the last admission",
+    "priority_class_weights": "priority scheduler: each class's weight; a request's weight is its class's + aging × seconds waited - cost × (prompt + max_new_tokens)",
+    "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",
+    "priority_cost": "priority scheduler: weight lost per token of expected cost, so short requests go first",
+    "stream_buffer_tokens": "tokens a streaming response may hold unsent; a client that lets it fill pauses its sequence (KV kept) until it reads",
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pluggy
 import torch
@@ -76,10 +76,13 @@ class Engine:
         eos_ids: set[int],
         prefill_budget: int,
         pm: pluggy.PluginManager | None = None,
+        stream_buffer_tokens: int = 64,
     ) -> None:
         self.runner = runner
         self.queue = queue
         self.prefill_budget = prefill_budget
+        self.stream_buffer_tokens = stream_buffer_tokens
+        """A sequence whose client has this many tokens unread pauses (keeping its KV) until it reads."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -97,14 +100,19 @@ class Engine:
         self._closed = False
         """Set when the loop has ended: later submissions fail at once instead of waiting forever."""
         self._thread: threading.Thread | None = None
+        self._published: tuple[tuple[Sequence, ...], ...] = ((), (), ())
 
     # ---- called from the HTTP side -------------------------------------------------
 
-    def submit(self, request: GenerationRequest, sink: EventSink, seed: int | None = None) -> Sequence:
-        """Queue one sequence; its events go to ``sink`` (called from the engine thread)."""
+    def submit(self, request: GenerationRequest, sink: EventSink, seed: int | None = None,
+               backlog: Callable[[], int] | None = None) -> Sequence:
+        """Queue one sequence; its events go to ``sink`` (called from the engine thread).
+        ``backlog`` tells how many of them the client has not taken yet (see ``stream_buffer_tokens``)."""
         if seed is None and uses_sampling(request.sampling):
             seed = request.sampling.seed if request.sampling.seed is not None else new_seed()
         seq = Sequence(request, sink, seed)
+        if backlog is not None:
+            seq.backlog = backlog
         with self._wake:
             if not self._closed:
                 self._incoming.append(seq)
@@ -181,9 +189,12 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the engine is stopping."""
         with self._wake:
-            if not self.batch_size and len(self.queue) and not (self._incoming or self._cancelled):
+            idle = not (self._incoming or self._cancelled)
+            if idle and not self.batch_size and len(self.queue):
                 # Requests wait but none fits: wait for a change rather than spin.
                 self._wake.wait(0.05)
+            elif idle and self.running and not self.prefilling and not len(self.queue) and not self._decoding():
+                self._wake.wait(0.01)  # every sequence waits for its client to read
             while not self._stopping and not (self._incoming or self._cancelled or self.batch_size or len(self.queue)):
                 self._wake.wait()
             return not self._stopping
@@ -207,6 +218,32 @@ class Engine:
                 self.queue.add(seq)
         self._drop(cancelled)
         self.step()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the HTTP side a copy of who waits and who runs, for ``GET /queue`` and metrics."""
+        pending = getattr(self.queue, "pending", None)
+        self._published = (tuple(pending() if pending else ()), tuple(self.prefilling), tuple(self.running))
+
+    def queue_view(self) -> dict[str, list[dict[str, Any]]]:
+        """Pending and running sequences as of the last step (requests handed over since then
+        first among the pending): ids, classes, lengths and times; never prompt text."""
+        with self._wake:
+            incoming = list(self._incoming)
+        waiting, prefilling, running = self._published
+        now = time.monotonic()
+
+        def entry(seq: Sequence, state: str) -> dict[str, Any]:
+            started = seq.admitted_at if seq.admitted_at is not None and state != "waiting" else now
+            return {"id": seq.id, "state": state, "priority": seq.request.priority, "prompt_tokens": seq.prompt_len,
+                    "generated_tokens": len(seq.generated_ids), "max_new_tokens": seq.request.max_new_tokens,
+                    "waited_seconds": round(max(0.0, started - seq.arrived_at), 3),
+                    "unsent_tokens": seq.backlog(),
+                    "preempted": seq.admitted_at is not None and state == "waiting"}
+
+        return {"pending": [entry(s, "waiting") for s in incoming + list(waiting)],
+                "running": [entry(s, "prefilling") for s in prefilling]
+                + [entry(s, "paused" if self._paused(s) else "decoding") for s in running]}
 
     def _drop(self, cancelled: dict[int, Sequence]) -> None:
         """Forget cancelled sequences, waiting or running, and free their KV memory now."""
@@ -219,8 +256,9 @@ class Engine:
         long prompts) prefill, in one backend call; a sequence whose prompt completes samples
         its first token now and decodes from the next step."""
         self._make_room_for_decode()
+        self._preempt_for_waiting()
         plan = self._plan_prefill()
-        decoding = list(self.running)
+        decoding = self._decoding()
         if not plan and not decoding:
             return
         prefilling = [s for s, _ in plan]
@@ -242,6 +280,30 @@ class Engine:
             assert out.prefill is not None
             self._prefilled(prefilling, chunks, out.prefill)
 
+    def _decoding(self) -> list[Sequence]:
+        """The running sequences that decode this step: not those whose client lags behind
+        (backpressure: they keep their KV memory and go on once the client reads), where the
+        backend can leave rows out of a step (the padded batch cannot)."""
+        return [s for s in self.running if not self._paused(s)]
+
+    def _paused(self, seq: Sequence) -> bool:
+        return self.runner.pausable and seq.backlog() >= self.stream_buffer_tokens
+
+    def _step_budget(self, prefill_tokens: int) -> StepBudget:
+        return StepBudget(prefill_tokens, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
+                          self.runner.kv_block_size)
+
+    def _preempt_for_waiting(self) -> None:
+        """Preempt the running sequences the scheduler names to let waiting ones start (a
+        scheduler without ``preempt`` never does)."""
+        choose = getattr(self.queue, "preempt", None)
+        holding = self.running + self.prefilling
+        if choose is None or not holding or not len(self.queue):
+            return
+        for victim in choose(holding, self._step_budget(self.prefill_budget)):
+            if victim in holding:
+                self._preempt(victim)
+
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
         """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
         budget = self.prefill_budget
@@ -253,9 +315,7 @@ class Engine:
                 budget -= chunk
         if budget <= 0:
             return plan
-        step_budget = StepBudget(budget, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
-                                 self.runner.kv_block_size)
-        for seq in self.queue.admit(self.running + self.prefilling, step_budget):
+        for seq in self.queue.admit(self.running + self.prefilling, self._step_budget(budget)):
             chunk = self._chunk(seq, budget)
             if not chunk:  # it must go whole and does not fit what is left: first in line next step
                 self.queue.requeue(seq)
@@ -319,7 +379,7 @@ class Engine:
         seq.num_computed = 0
         self.queue.requeue(seq)
         self.preemptions += 1
-        log.info("preempted sequence %d (%d tokens) to free KV memory", seq.id, seq.total_len)
+        log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
 
     def _new_state(self, seq: Sequence) -> SequenceState:
         extra: list[Any] = []

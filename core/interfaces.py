@@ -110,6 +110,16 @@ class BatchLimits:
     padded: bool = False
     """True when the backend pads the batch to its longest prompt, so a prefill of n
     prompts costs n × the longest of them (TGI counts it the same way)."""
+    waiting_served_ratio: float = 0.3
+    """While a batch runs, newcomers join only when at least this × its size of them can."""
+    max_waiting_tokens: int = 20
+    """... or when this many decode steps have passed since the last admission."""
+    priority_class_weights: tuple[tuple[str, float], ...] = (("high", 4000.0), ("normal", 2000.0), ("low", 0.0))
+    """The ``priority`` scheduler's weight of each request class."""
+    priority_aging: float = 100.0
+    """... plus this much weight per second a request has waited ..."""
+    priority_cost: float = 1.0
+    """... minus this much per token of its expected cost (prompt + ``max_new_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,16 @@ class SchedulerQueue(Protocol):
     def drain(self) -> list[Sequence]:
         """Remove and return every waiting sequence (at shutdown)."""
         ...
+
+    def pending(self) -> list[Sequence]:
+        """The waiting sequences in the order they would start (for ``GET /queue``); the queue is not changed."""
+        ...
+
+    # Optional: a queue may also define
+    #     preempt(self, running: list[Sequence], budget: StepBudget) -> list[Sequence]
+    # which the engine calls before ``admit`` each step: the running sequences to preempt
+    # now (their KV memory is freed and they are requeued; they resume later with the
+    # same output) so that waiting ones can start.
 
 
 class Scheduler(Implementation):
@@ -198,6 +218,9 @@ class BackendRunner(Protocol):
 
     chunked_prefill: bool
     """Whether a step accepts part of a prompt (the rest follows in later steps)."""
+    pausable: bool
+    """Whether a step may leave out some of the running sequences (they keep their KV memory):
+    what backpressure from slow clients needs."""
     kv_block_size: int
     """Positions per KV block (1 where memory is not counted in blocks)."""
 

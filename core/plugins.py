@@ -22,6 +22,7 @@ BUILTIN_PLUGINS = (
     "tokenmill_plugins.attention.torch_kernels",
     "tokenmill_plugins.attention.flash",
     "tokenmill_plugins.schedulers.fifo",
+    "tokenmill_plugins.schedulers.priority",
     "tokenmill_plugins.kv.dynamic",
     "tokenmill_plugins.kv.paged",
 )

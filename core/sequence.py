@@ -11,6 +11,9 @@ FINISH_LENGTH = "length"
 FINISH_EOS = "eos_token"
 FINISH_STOP = "stop_sequence"
 
+PRIORITY_CLASSES = ("high", "normal", "low")
+"""A request's priority class, most urgent first (the ``priority`` parameter or ``X-Priority`` header)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +41,8 @@ class GenerationRequest:
     top_n_tokens: int = 0
     return_full_text: bool = False
     best_of: int = 1
+    priority: str = "normal"
+    """One of :data:`PRIORITY_CLASSES`; schedulers that rank requests read it."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """The request's parameters as the client sent them, for hooks and logs."""
 
@@ -118,6 +123,8 @@ class Sequence:
         """When it first joined the batch (a preemption does not reset it)."""
         self.state: Any = None
         """The engine's per-sequence state (sampler, detokenizer), set when admitted."""
+        self.backlog: Callable[[], int] = lambda: 0
+        """Events emitted that its client has not taken yet (a streaming response's unsent tokens)."""
 
     @property
     def prompt_len(self) -> int:

@@ -27,7 +27,7 @@ from tokenmill.config import Config
 from tokenmill.engine import Engine
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages
 from tokenmill.plugins import Chosen, build_plugin_manager
-from tokenmill.sequence import ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.startup import start_engine
 from tokenmill.validation import ValidationError, parse_body, validate_generate
 
@@ -124,9 +124,18 @@ class Channel:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.emitted = 0
+        """Events the engine handed over (written by the engine thread only)."""
+        self.delivered = 0
+        """Events written to the client (by the event loop only)."""
 
     def sink(self, event: Event) -> None:
+        self.emitted += 1
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def backlog(self) -> int:
+        """Events not yet written to the client: a slow reader's grows until its sequence pauses."""
+        return self.emitted - self.delivered
 
     def disconnected(self) -> None:
         self.queue.put_nowait(DISCONNECTED)
@@ -247,6 +256,9 @@ class Generation:
         assert state.loaded is not None
         try:
             inputs, params = parse_body(body)
+            header_priority = req.get_header("X-Priority")
+            if header_priority is not None and "priority" not in params:
+                params = {**params, "priority": header_priority.strip().lower()}
             request = await asyncio.get_running_loop().run_in_executor(
                 state.tokenizer_thread, validate_generate, inputs, params, state.loaded.tokenizer, state.config,
                 stream, state.vocab_size)
@@ -330,7 +342,7 @@ class Generation:
         try:
             self.started(request_id, request)
             channel = Channel()
-            seq = engine.submit(request, channel.sink)
+            seq = engine.submit(request, channel.sink, backlog=channel.backlog)
         except BaseException:
             slot.release()
             raise
@@ -356,6 +368,7 @@ class Generation:
                     yield falcon.asgi.SSEvent(json={"error": event.message, "error_type": event.error_type})
                     return
                 yield falcon.asgi.SSEvent(json=self.stream_json(event, request))
+                channel.delivered += 1  # falcon asks for the next event once this one is sent
                 if event.final is not None:
                     result = event.final
                     return
@@ -437,6 +450,10 @@ class MetricsRoute:
             "tgi_batch_current_size": ("sequences in the running batch", engine.batch_size if engine else 0),
             "tokenmill_requests_in_flight": ("requests holding a concurrency slot", self.state.in_flight),
         }
+        view = engine.queue_view() if engine else {"pending": []}
+        for name in PRIORITY_CLASSES:
+            waiting = sum(1 for entry in view["pending"] if entry["priority"] == name)
+            gauges[f'tokenmill_queue_class_size{{class="{name}"}}'] = ("requests waiting, per priority class", waiting)
         usage = engine.runner.kv_usage() if engine else {}
         gauges["tokenmill_kv_cache_bytes"] = ("bytes of KV cache held", usage.get("bytes", 0))
         if "blocks_total" in usage:
@@ -446,11 +463,29 @@ class MetricsRoute:
             "tokenmill_preemptions_total": ("sequences preempted to free KV memory", engine.preemptions if engine else 0),
         }
         lines = []
+        described: set[str] = set()
         for kind, metrics in (("gauge", gauges), ("counter", counters)):
             for name, (help_text, value) in metrics.items():
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+                family = name.split("{")[0]
+                if family not in described:
+                    described.add(family)
+                    lines += [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}"]
+                lines.append(f"{name} {value}")
         resp.content_type = "text/plain; version=0.0.4"
         resp.text = "\n".join(lines) + "\n"
+
+
+class QueueRoute:
+    """``GET /queue``: who waits and who runs, without prompt text."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        engine = self.state.ready_engine()
+        view = engine.queue_view()
+        resp.media = {"queue_size": len(view["pending"]), "batch_size": len(view["running"]),
+                      "scheduler": self.state.config.scheduler, **view}
 
 
 class HealthRoute:
@@ -548,6 +583,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/health", HealthRoute(state))
     app.add_route("/info", InfoRoute(state))
     app.add_route("/metrics", MetricsRoute(state))
+    app.add_route("/queue", QueueRoute(state))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ApiError, handle_api_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)

@@ -74,9 +74,14 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         max_batch_total_tokens=config.max_batch_total_tokens,
         max_batch_size=config.max_batch_size,
         padded=not paged,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        priority_class_weights=config.class_weights(),
+        priority_aging=config.priority_aging,
+        priority_cost=config.priority_cost,
     ))
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                    config.max_batch_prefill_tokens, pm)
+                    config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens)
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
     stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))

@@ -7,7 +7,7 @@ from typing import Any
 
 from tokenmill.config import Config
 from tokenmill.sampling import uses_sampling
-from tokenmill.sequence import GenerationRequest, SamplingParams
+from tokenmill.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
 
 _MISSING = object()
 
@@ -132,6 +132,9 @@ def validate_generate(
         raise ValidationError("`watermark` is not supported by this server yet")
     if params.get("grammar") is not None:
         raise ValidationError("`grammar` is not supported by this server yet")
+    priority = params.get("priority", "normal")
+    if priority not in PRIORITY_CLASSES:
+        raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")
     if params.get("adapter_id") not in (None, ""):
         raise ValidationError("`adapter_id`: this server serves no LoRA adapters")
 
@@ -177,5 +180,6 @@ def validate_generate(
         top_n_tokens=top_n_tokens,
         return_full_text=_flag(params, "return_full_text", False),
         best_of=best_of or 1,
+        priority=priority,
         parameters=dict(params),
     )

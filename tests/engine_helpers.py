@@ -47,21 +47,24 @@ def tiny_mistral(sliding_window: int = 6):
 
 
 def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, ignore_eos: bool = False,
-                 backend: str = "transformers", block_size: int = 16, **limits: Any) -> Engine:
+                 backend: str = "transformers", block_size: int = 16, scheduler: str = "fifo",
+                 **limits: Any) -> Engine:
     """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens.
 
     The paged backend takes over the model's attention: give it a model of its own."""
     pm = pm or build_plugin_manager(autoload=False)
-    chosen = choose_all(pm, backend, None, None, "fifo", block_size)
+    chosen = choose_all(pm, backend, None, None, scheduler, block_size)
     paged = chosen.backend.kv_layout == "paged"
     total = limits.get("max_batch_total_tokens", 65536)
     prefill = limits.get("max_batch_prefill_tokens", 4096)
+    rules = {name: limits[name] for name in ("waiting_served_ratio", "max_waiting_tokens") if name in limits}
     batch_limits = BatchLimits(max_batch_prefill_tokens=prefill, max_batch_total_tokens=total,
-                               max_batch_size=limits.get("max_batch_size"), padded=not paged)
+                               max_batch_size=limits.get("max_batch_size"), padded=not paged, **rules)
     store = chosen.kv_allocator.create(model.config, model.dtype, model.device, total, chosen.block_size)
     runner = chosen.backend.create(model, store, chosen.attention)
     eos = set() if ignore_eos else eos_token_ids(model, tokenizer)
-    return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm)
+    return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm,
+                  stream_buffer_tokens=limits.get("stream_buffer_tokens", 64))
 
 
 def greedy_request(tokenizer: Any, prompt: str, max_new_tokens: int, **extra: Any) -> GenerationRequest:

@@ -36,7 +36,7 @@ def test_every_hookspec_has_a_docstring_saying_when_what_and_returns():
 def test_builtin_implementations_of_each_kind_are_listed():
     rows = {(r.kind, r.name): r for r in list_all(build_plugin_manager(autoload=False))}
     for key in [("backend", "transformers"), ("attention", "sdpa"), ("attention", "eager"),
-                ("scheduler", "fifo"), ("kv_allocator", "dynamic")]:
+                ("scheduler", "fifo"), ("scheduler", "priority"), ("kv_allocator", "dynamic")]:
         assert key in rows and rows[key].unavailable_reason is None
         assert rows[key].source.startswith("tokenmill_plugins.")
 
@@ -100,3 +100,25 @@ def test_tokenmill_plugins_command_prints_every_implementation(third_party_plugi
     for name in ("transformers", "sdpa", "eager", "fifo", "dynamic"):
         assert re.search(rf"\b{name}\b\s+available", out), out
     assert "fancy" in out and "unavailable: needs CUDA" in out
+
+
+def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_first():
+    import types
+
+    from tokenmill.interfaces import BatchLimits, StepBudget
+    from tokenmill.sequence import GenerationRequest, SamplingParams, Sequence
+
+    text = (ROOT / "hooks.md").read_text()
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "ShortestFirst" in block]
+    module = types.ModuleType("example_scheduler")
+    exec(compile(code, "hooks.md", "exec"), module.__dict__)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(module)
+    queue = choose(pm, "scheduler", "shortest-first").create(
+        BatchLimits(max_batch_prefill_tokens=30, max_batch_total_tokens=1000, max_batch_size=None))
+    seqs = [Sequence(GenerationRequest("", [5] * n, 4, SamplingParams()), lambda event: None, None)
+            for n in (20, 3, 9)]
+    for seq in seqs:
+        queue.add(seq)
+    started = queue.admit([], StepBudget(30, chunked=False, kv_free_tokens=None))
+    assert [s.prompt_len for s in started] == [3, 9] and len(queue) == 1

@@ -47,6 +47,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
 
 class PagedRunner(BackendRunner):
     chunked_prefill = True
+    pausable = True
 
     def __init__(self, model: Any, pool: BlockPool, kernel: AttentionKernel) -> None:
         self.model = model

@@ -34,6 +34,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 class TransformersRunner(BackendRunner):
     chunked_prefill = False
+    pausable = False
     kv_block_size = 1
 
     def __init__(self, model: Any, kv: PaddedKVCache) -> None:

@@ -1,15 +1,11 @@
-"""The ``fifo`` scheduler: first come, first served, within TGI's batch limits.
+"""The ``fifo`` scheduler: first come, first served, within TGI's batch limits and rules.
 
-A waiting request starts when its prompt fits what is left of this step's prefill
-budget (``--max-batch-prefill-tokens``; for a padded backend a prefill of n
-prompts costs n × the longest; a backend with chunked prefill starts a long
-prompt now and finishes it over the next steps) and its KV memory fits: with a
-block pool, the blocks of its prompt must be free now, keeping one block for
-each sequence that holds memory to grow into (none for a sequence alone);
-otherwise its whole lifetime (prompt +
-``max_new_tokens``) must fit what the batch leaves of ``--max-batch-total-tokens``.
-Preempted sequences go back to the head of the line. The queue never skips
-ahead: the head of the line waits for room rather than be overtaken.
+Waiting requests start in arrival order until the first one that does not fit the
+step (:class:`tokenmill.admission.Room`: prefill budget, KV memory, batch size); the
+queue never skips ahead, so the head of the line waits for room rather than be
+overtaken. While a batch runs, newcomers join it only as TGI lets them
+(:func:`tokenmill.admission.joins_now`: enough of them at once, or after
+``--max-waiting-tokens`` steps). Preempted sequences go back to the head of the line.
 """
 
 from __future__ import annotations
@@ -17,18 +13,17 @@ from __future__ import annotations
 from collections import deque
 
 import tokenmill
+from tokenmill.admission import Room, joins_now
 from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
 from tokenmill.sequence import Sequence
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class FifoQueue(SchedulerQueue):
     def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
         self.waiting: deque[Sequence] = deque()
+        self.steps_waited = 0
+        """Steps the running batch has run since newcomers last joined it."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -51,37 +46,22 @@ class FifoQueue(SchedulerQueue):
         self.waiting.clear()
         return drained
 
+    def pending(self) -> list[Sequence]:
+        return list(self.waiting)
+
     def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
-        limits = self.limits
-        room = None if limits.max_batch_size is None else limits.max_batch_size - len(holding)
-        if budget.kv_free_tokens is None:
-            total_left = limits.max_batch_total_tokens - sum(s.max_tokens for s in holding)
-        else:
-            kv_blocks_left = budget.kv_free_tokens // budget.block_size - len(holding)
-        admitted: list[Sequence] = []
-        prefill_tokens = longest = 0
-        while self.waiting:
-            seq = self.waiting[0]
-            if room is not None and len(admitted) >= room:
+        room = Room(self.limits, holding, budget)
+        ready = 0
+        for seq in self.waiting:
+            if not room.fits(seq):
                 break
-            longest = max(longest, seq.pending_len)
-            cost = (len(admitted) + 1) * longest if limits.padded else prefill_tokens + seq.pending_len
-            if cost > budget.prefill_tokens and not (budget.chunked and prefill_tokens < budget.prefill_tokens):
-                break
-            if budget.kv_free_tokens is None:
-                if seq.max_tokens > total_left:
-                    break
-                total_left -= seq.max_tokens
-            else:
-                alone = not holding and not admitted
-                needed = blocks_for(seq.total_len, budget.block_size) + (0 if alone else 1)
-                if needed > kv_blocks_left:
-                    break
-                kv_blocks_left -= needed
-            self.waiting.popleft()
-            admitted.append(seq)
-            prefill_tokens += seq.pending_len
-        return admitted
+            room.take(seq)
+            ready += 1
+        if not joins_now(ready, len(holding), self.steps_waited, self.limits):
+            self.steps_waited += 1 if holding else 0
+            return []
+        self.steps_waited = 0
+        return [self.waiting.popleft() for _ in range(ready)]
 
 
 class FifoScheduler(Scheduler):

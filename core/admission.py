@@ -1,0 +1,85 @@
+"""What a scheduler may admit in one step: the batch limits, kept in one place for every scheduler.
+
+A scheduler decides the order; :class:`Room` says whether the next sequence in that
+order still fits this step, and :func:`joins_now` applies TGI's rule for when newcomers
+may join a running batch at all.
+"""
+
+from __future__ import annotations
+
+from tokenmill.interfaces import BatchLimits, StepBudget
+from tokenmill.sequence import Sequence
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Room:
+    """What is left of one step's limits while a scheduler picks sequences.
+
+    - Prefill: a waiting sequence fits what is left of the step's prefill budget (for a
+      padded backend a prefill of n prompts costs n × the longest; a backend with chunked
+      prefill may start a long prompt now and finish it over the next steps).
+    - KV memory: with a block pool, the blocks of its whole context must be free now,
+      keeping one block for each sequence that holds memory to grow into (none for a
+      sequence alone); otherwise its whole lifetime (prompt + ``max_new_tokens``) must fit
+      what the batch leaves of ``--max-batch-total-tokens``.
+    - Batch size: at most ``--max-batch-size`` sequences hold memory at once.
+    """
+
+    def __init__(self, limits: BatchLimits, holding: list[Sequence], budget: StepBudget) -> None:
+        self.limits = limits
+        self.budget = budget
+        self.holding = len(holding)
+        self.admitted = 0
+        self.prefill_tokens = 0
+        self.longest = 0
+        self.seats = None if limits.max_batch_size is None else limits.max_batch_size - len(holding)
+        if budget.kv_free_tokens is None:
+            self.total_tokens_left = limits.max_batch_total_tokens - sum(s.max_tokens for s in holding)
+        else:
+            self.kv_blocks_left = budget.kv_free_tokens // budget.block_size - len(holding)
+
+    def fits(self, seq: Sequence) -> bool:
+        return self.shortage(seq) is None
+
+    def shortage(self, seq: Sequence) -> str | None:
+        """What ``seq`` lacks to start this step: ``"seats"`` (batch size), ``"prefill"``
+        (this step's prefill budget) or ``"memory"`` (KV); None when it fits."""
+        if self.seats is not None and self.admitted >= self.seats:
+            return "seats"
+        longest = max(self.longest, seq.pending_len)
+        cost = (self.admitted + 1) * longest if self.limits.padded else self.prefill_tokens + seq.pending_len
+        prefill = self.budget.prefill_tokens
+        if cost > prefill and not (self.budget.chunked and self.prefill_tokens < prefill):
+            return "prefill"
+        if self.budget.kv_free_tokens is None:
+            return None if seq.max_tokens <= self.total_tokens_left else "memory"
+        return None if self._blocks_needed(seq) <= self.kv_blocks_left else "memory"
+
+    def take(self, seq: Sequence) -> None:
+        """Count ``seq`` as admitted this step (after :meth:`fits` said yes)."""
+        if self.budget.kv_free_tokens is None:
+            self.total_tokens_left -= seq.max_tokens
+        else:
+            self.kv_blocks_left -= self._blocks_needed(seq)
+        self.admitted += 1
+        self.longest = max(self.longest, seq.pending_len)
+        self.prefill_tokens += seq.pending_len
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        alone = not self.holding and not self.admitted
+        return blocks_for(seq.total_len, self.budget.block_size) + (0 if alone else 1)
+
+
+def joins_now(admitting: int, batch_size: int, steps_waited: int, limits: BatchLimits) -> bool:
+    """TGI's rule for a running batch: ``admitting`` newcomers join it now when they are at
+    least ``waiting_served_ratio`` × its size, or when ``max_waiting_tokens`` decode steps
+    have passed since newcomers last joined. Joining costs the running sequences a prefill
+    step; waiting for a group of them pays that cost once for several."""
+    if admitting == 0:
+        return False
+    if batch_size == 0 or steps_waited >= limits.max_waiting_tokens:
+        return True
+    return admitting >= int(batch_size * limits.waiting_served_ratio)

@@ -1,0 +1,112 @@
+"""The ``priority`` scheduler: urgent and short requests first, and no request waits forever.
+
+Each waiting request has a weight, in units of tokens:
+
+    class weight (``--priority-class-weights``, default high 4000, normal 2000, low 0)
+    + ``--priority-aging`` (default 100) × seconds waited
+    - ``--priority-cost`` (default 1) × (prompt tokens + ``max_new_tokens``)
+
+Heaviest first, within the step's limits (:class:`tokenmill.admission.Room`); like
+``fifo`` it never skips past the heaviest request that does not fit, so once a request
+is the heaviest it is the next to start. Every waiting request ages at the same rate,
+so waiting never reorders two requests already in the queue; it lifts old ones above
+newcomers. A request that has waited ``(W_top - W_own + cost_own - cost_min) / aging``
+seconds outranks every request that arrives after that (``W``: class weights; with the
+defaults a low request of 1,256 tokens outranks new high ones after about 52 s).
+
+Unlike ``fifo``, a request starts as soon as it fits (TGI's waiting-served rule would
+make a short or urgent request wait for company). When the heaviest waiting request
+lacks seats or KV memory and a running sequence of a lower class holds them, the
+lightest such sequence is preempted: its blocks are freed and it is requeued with its
+original arrival time, to resume later with the same output.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import tokenmill
+from tokenmill.admission import Room
+from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
+from tokenmill.sequence import PRIORITY_CLASSES, Sequence
+
+
+class PriorityQueue(SchedulerQueue):
+    def __init__(self, limits: BatchLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.class_weight = dict(limits.priority_class_weights)
+        self.rank = {name: len(PRIORITY_CLASSES) - i for i, name in enumerate(PRIORITY_CLASSES)}
+        self.waiting: list[Sequence] = []
+
+    def weight(self, seq: Sequence, now: float) -> float:
+        request = seq.request
+        return (self.class_weight[request.priority] + self.limits.priority_aging * (now - seq.arrived_at)
+                - self.limits.priority_cost * (seq.prompt_len + request.max_new_tokens))
+
+    def ordered(self) -> list[Sequence]:
+        """The waiting sequences, heaviest first (earliest arrival first among equals)."""
+        now = self.clock()
+        return sorted(self.waiting, key=lambda s: (-self.weight(s, now), s.arrived_at, s.id))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        self.waiting.append(seq)  # it keeps its arrival time, so its place follows from its weight
+
+    def remove(self, seq: Sequence) -> bool:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def drain(self) -> list[Sequence]:
+        drained, self.waiting = self.waiting, []
+        return drained
+
+    def pending(self) -> list[Sequence]:
+        return self.ordered()
+
+    def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
+        room = Room(self.limits, holding, budget)
+        admitted = []
+        for seq in self.ordered():
+            if not room.fits(seq):
+                break
+            room.take(seq)
+            admitted.append(seq)
+        taken = {s.id for s in admitted}
+        self.waiting = [s for s in self.waiting if s.id not in taken]
+        return admitted
+
+    def preempt(self, running: list[Sequence], budget: StepBudget) -> list[Sequence]:
+        """The lightest running sequence of a lower class than the heaviest waiting one, when
+        that one lacks seats or KV memory (not when it only waits for this step's prefill budget)."""
+        if not self.waiting or not running:
+            return []
+        first = self.ordered()[0]
+        if Room(self.limits, running, budget).shortage(first) not in ("seats", "memory"):
+            return []
+        lower = [s for s in running if self.rank[s.request.priority] < self.rank[first.request.priority]]
+        if not lower:
+            return []
+        now = self.clock()
+        return [min(lower, key=lambda s: (self.weight(s, now), -s.arrived_at))]
+
+
+class PriorityScheduler(Scheduler):
+    name = "priority"
+    description = "heaviest first: class weight + aging - expected cost; preempts a lower class for a higher one"
+
+    def create(self, limits: BatchLimits) -> SchedulerQueue:
+        return PriorityQueue(limits)
+
+
+@tokenmill.hookimpl
+def tokenmill_schedulers() -> list[Scheduler]:
+    return [PriorityScheduler()]

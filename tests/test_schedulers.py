@@ -1,0 +1,197 @@
+"""Schedulers, driven step by step with a fake clock and fake sequences (no model), and on the tiny model."""
+
+from __future__ import annotations
+
+from tokenmill.admission import Room
+from tokenmill.interfaces import BatchLimits, StepBudget
+from tokenmill.sequence import GenerationRequest, SamplingParams, Sequence
+from tokenmill_plugins.schedulers.fifo import FifoQueue
+from tokenmill_plugins.schedulers.priority import PriorityQueue
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake(prompt: int, new_tokens: int = 10, priority: str = "normal", at: float = 1000.0) -> Sequence:
+    seq = Sequence(GenerationRequest("", [5] * prompt, new_tokens, SamplingParams(), priority=priority),
+                   lambda event: None, None)
+    seq.arrived_at = at
+    return seq
+
+
+def limits(**overrides) -> BatchLimits:
+    values = {"max_batch_prefill_tokens": 100, "max_batch_total_tokens": 10_000, "max_batch_size": None}
+    return BatchLimits(**{**values, **overrides})
+
+
+def budget(prefill: int = 100, free_tokens: int | None = None, block_size: int = 1) -> StepBudget:
+    return StepBudget(prefill, chunked=False, kv_free_tokens=free_tokens, block_size=block_size)
+
+
+# ---- fifo -------------------------------------------------------------------------------------
+
+
+def test_fifo_admits_in_arrival_order_until_the_first_request_that_does_not_fit():
+    queue = FifoQueue(limits())
+    first, too_long, small = fake(60), fake(50), fake(5)
+    for seq in (first, too_long, small):
+        queue.add(seq)
+    assert queue.admit([], budget(prefill=100)) == [first]  # `small` would fit, but never overtakes
+    assert queue.admit([], budget(prefill=100)) == [too_long, small]
+
+
+def test_fifo_respects_kv_blocks_batch_size_and_total_tokens():
+    queue = FifoQueue(limits(max_batch_size=2))
+    seqs = [fake(8) for _ in range(3)]
+    for seq in seqs:
+        queue.add(seq)
+    # 4 free blocks of 4: the first alone needs 2, the second 2 + 1 to grow into: only one fits.
+    assert queue.admit([], budget(free_tokens=16, block_size=4)) == seqs[:1]
+    assert queue.admit(seqs[:1], budget(free_tokens=64, block_size=4)) == seqs[1:2]  # batch size 2 reached
+    padded = FifoQueue(limits(max_batch_total_tokens=40))
+    for seq in (fake(10), fake(10), fake(10)):  # 20 tokens each over their lifetime
+        padded.add(seq)
+    assert len(padded.admit([], budget())) == 2
+
+
+def test_newcomers_join_a_running_batch_only_when_enough_wait_or_after_max_waiting_tokens_steps():
+    queue = FifoQueue(limits(waiting_served_ratio=0.3, max_waiting_tokens=4))
+    running = [fake(5) for _ in range(10)]  # 0.3 × 10: at least 3 newcomers at once
+    queue.add(first := fake(5))
+    queue.add(second := fake(5))
+    assert [queue.admit(running, budget()) for _ in range(4)] == [[], [], [], []]
+    assert queue.admit(running, budget()) == [first, second]  # 4 steps waited: they join anyway
+    group = [fake(5) for _ in range(3)]
+    for seq in group:
+        queue.add(seq)
+    assert queue.admit(running, budget()) == group  # 3 of 10: they join at once
+
+
+def test_an_idle_engine_admits_at_once_whatever_the_ratio():
+    queue = FifoQueue(limits(waiting_served_ratio=5.0, max_waiting_tokens=1000))
+    queue.add(seq := fake(5))
+    assert queue.admit([], budget()) == [seq]
+
+
+# ---- priority ---------------------------------------------------------------------------------
+
+
+def test_priority_serves_high_then_normal_then_low_and_short_before_long():
+    clock = FakeClock()
+    queue = PriorityQueue(limits(), clock)
+    low, normal_long, normal_short, high = fake(5, priority="low"), fake(80), fake(5), fake(5, priority="high")
+    for seq in (low, normal_long, normal_short, high):
+        queue.add(seq)
+    assert queue.ordered() == [high, normal_short, normal_long, low]
+    assert queue.admit([], budget(prefill=20)) == [high, normal_short]  # normal_long is next and does not fit
+    assert queue.admit([], budget(prefill=100)) == [normal_long, low]
+
+
+def run_flood(queue: PriorityQueue, clock: FakeClock, low: Sequence, steps: int) -> int | None:
+    """A flood of short high requests, one arriving per second, and one free seat per second
+    (the batch is otherwise full): the second at which ``low`` starts, or None."""
+    others = [fake(1) for _ in range(3)]  # the rest of the batch: max_batch_size 4 leaves one seat
+    queue.add(low)
+    for second in range(1, steps + 1):
+        clock.now += 1.0
+        queue.add(fake(10, new_tokens=10, priority="high", at=clock.now))
+        if low in queue.admit(others, budget(prefill=1_000)):
+            return second
+    return None
+
+
+def test_aging_serves_a_low_request_within_its_bound_under_a_flood_of_high_ones():
+    clock = FakeClock()
+    queue = PriorityQueue(limits(max_batch_size=4), clock)
+    low = fake(90, new_tokens=10, priority="low", at=clock.now)
+    # It outranks every high request arriving more than (4000 - 0 + 100 - 20) / 100 = 40.8 s after it;
+    # the ~41 that arrived before that go first, one per second.
+    started = run_flood(queue, clock, low, steps=200)
+    assert started is not None and 40 <= started <= 43
+
+
+def test_without_aging_the_same_flood_starves_the_low_request():
+    clock = FakeClock()
+    queue = PriorityQueue(limits(max_batch_size=4, priority_aging=0.0), clock)
+    assert run_flood(queue, clock, fake(90, priority="low", at=clock.now), steps=200) is None
+
+
+def test_a_full_batch_preempts_its_lightest_lower_class_sequence_for_a_higher_one():
+    clock = FakeClock()
+    queue = PriorityQueue(limits(max_batch_size=2), clock)
+    low_long, low_short = fake(50, priority="low"), fake(5, priority="low")
+    queue.add(high := fake(5, priority="high"))
+    assert queue.preempt([low_short, low_long], budget()) == [low_long]
+    assert queue.preempt([fake(5, priority="high"), fake(5, priority="high")], budget()) == []  # none lower
+    roomy = PriorityQueue(limits(max_batch_size=3), clock)
+    roomy.add(high)
+    assert roomy.preempt([low_short, low_long], budget()) == []  # a seat is free: no need
+
+
+def test_waiting_only_for_this_steps_prefill_budget_preempts_nothing():
+    queue = PriorityQueue(limits(), FakeClock())
+    queue.add(fake(80, priority="high"))
+    assert Room(queue.limits, [], budget(prefill=50)).shortage(queue.waiting[0]) == "prefill"
+    assert queue.preempt([fake(5, priority="low")], budget(prefill=50)) == []
+
+
+def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_had(tiny_model):
+    from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True, scheduler="priority", max_batch_size=1)
+    low, high = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[6], 20, priority="low"), low)
+    for _ in range(6):
+        engine.run_once()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 5, priority="high"), high)
+    while not (low.done and high.done):
+        engine.run_once()
+    assert engine.preemptions == 1
+    assert high.final.generated_tokens == 5 and len(low.token_ids) == 20
+    assert low.token_ids == reference_greedy(model, tokenizer, PROMPTS[6], 20)
+    assert high.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 5)
+
+
+# ---- backpressure -----------------------------------------------------------------------------
+
+
+def test_a_slow_reader_pauses_only_its_own_sequence_and_resumes_with_the_same_tokens(tiny_model, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+
+    model, tokenizer = tiny_model
+    paged_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # paged attention takes it over
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, stream_buffer_tokens=4)
+    slow, fast = Collector(), Collector()
+    read = 0
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 12), slow, backlog=lambda: len(slow.events) - read)
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 12), fast)
+    for _ in range(14):
+        engine.run_once()
+    assert fast.done and len(fast.token_ids) == 12, "the fast reader never waited for the slow one"
+    assert len(slow.token_ids) == 4 and not slow.done, "the slow reader's sequence stopped at its buffer"
+    assert engine.batch_size == 1 and engine.runner.kv_usage()["bytes"] > 0, "it kept its KV memory"
+    while not slow.done:  # the client now reads everything it is sent
+        read = len(slow.events)
+        engine.run_once()
+    assert slow.token_ids == reference_greedy(model, tokenizer, PROMPTS[0], 12)
+    assert engine.runner.kv_usage()["bytes"] == 0
+
+
+def test_the_padded_batch_cannot_leave_a_row_out_so_it_keeps_decoding_a_slow_readers_sequence(tiny_model):
+    from engine_helpers import PROMPTS, Collector, build_engine, greedy_request
+
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True, stream_buffer_tokens=4)
+    slow = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 8), slow, backlog=lambda: len(slow.events))
+    while not slow.done:
+        engine.run_once()
+    assert len(slow.token_ids) == 8
