@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.scenario == "mixed":
         from bench import mixed
 
-        return mixed.main(rest)
+        raw = list(argv if argv is not None else sys.argv[1:])
+        raw.remove("mixed")
+        return mixed.main(raw)  # its own flags (--no-write, --out) as it defines them
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     scenario = SCENARIOS[args.scenario]

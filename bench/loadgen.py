@@ -141,14 +141,14 @@ async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_new_tokens: int, model: str,
-                      result: RequestResult) -> None:
+                      result: RequestResult, headers: dict[str, str] | None = None) -> None:
     """Send one request and fill ``result`` as its stream arrives (so a cut request keeps its tokens)."""
     route, body = request_body(api, prompt, max_new_tokens, model)
     sent = time.perf_counter()
     last = sent
     usage_tokens = None
     try:
-        async with client.stream("POST", route, json=body) as response:
+        async with client.stream("POST", route, json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:200]}"

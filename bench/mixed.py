@@ -3,7 +3,8 @@
 The flood: ``--long-concurrency`` clients, each sending a ~1,000-token document with 256
 new tokens and the next one as soon as it ends, so the batch (``--max-batch-size``) is
 always full and long requests queue. The trickle: a ~20-token question with 16 new
-tokens every ``--short-every`` seconds, whatever happens. The same load runs against
+tokens every ``--short-every`` seconds, whatever happens, sent with ``X-Priority: high``
+(which ``fifo`` ignores). The same load runs against
 tokenmill with ``--scheduler fifo`` and with ``--scheduler priority`` (one server at a
 time), and the section compares the short requests' latency and the total output
 tokens/s. Every request carries its number, so no prefix is answered from a cache.
@@ -72,7 +73,8 @@ async def mixed_load(url: str, longs: list[Prompt], shorts: list[Prompt], long_c
                     break
                 result = RequestResult(started=time.perf_counter() - started)
                 short_results.append(result)
-                sent.append(asyncio.create_task(one_request(client, "tgi", prompt, 16, "model", result)))
+                sent.append(asyncio.create_task(one_request(client, "tgi", prompt, 16, "model", result,
+                                                            {"X-Priority": "high"})))
                 await asyncio.sleep(short_every_s)
             await asyncio.wait(sent, timeout=300) if sent else None
 
@@ -96,7 +98,7 @@ async def mixed_load(url: str, longs: list[Prompt], shorts: list[Prompt], long_c
 
 
 def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batch_size: int,
-        schedulers: list[str]) -> dict[str, Any]:
+        schedulers: list[str], server_args: list[str]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from bench.harness import default_checkpoint
@@ -108,7 +110,7 @@ def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batc
     results: dict[str, Any] = {}
     for scheduler in schedulers:
         system = peers.System(f"tokenmill-{scheduler}", "tgi", "fp32", peers._tokenmill(  # noqa: SLF001
-            "paged", "--scheduler", scheduler, "--max-batch-size", str(max_batch_size)))
+            "paged", "--scheduler", scheduler, "--max-batch-size", str(max_batch_size), *server_args))
         log = BENCH_DIR / "out" / f"mixed-{scheduler}.log"
         print(f"{scheduler}: starting", flush=True)
         with peers.RunningServer(system, checkpoint, peers.DEFAULT_PEERS_DIR, log) as server:
@@ -119,7 +121,8 @@ def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batc
               f"{short['latency_p50']:.2f} s, p99 {short['latency_p99']:.2f} s ({short['completed']}/{short['sent']})",
               flush=True)
     return {"settings": {"duration_s": duration_s, "long_concurrency": long_concurrency,
-                         "short_every_s": short_every_s, "max_batch_size": max_batch_size},
+                         "short_every_s": short_every_s, "max_batch_size": max_batch_size,
+                         "server_args": " ".join(server_args)},
             "results": results}
 
 
@@ -129,7 +132,8 @@ def render(run_data: dict[str, Any], command: str) -> str:
              f"`{command}` — SmolLM2-135M-Instruct fp32, paged backend, `--max-batch-size "
              f"{settings['max_batch_size']}`. A flood of {settings['long_concurrency']} clients sending ~1,000-token "
              f"documents with 256 new tokens back to back, and a short question (~20 tokens, 16 new tokens) every "
-             f"{settings['short_every_s']:g} s for {settings['duration_s']:g} s; greedy, default class for all.", "",
+             f"{settings['short_every_s']:g} s with `X-Priority: high` (fifo ignores it) for {settings['duration_s']:g} s; "
+             f"greedy. Extra flags: `{settings.get('server_args') or 'none'}`.", "",
              "| scheduler | output tok/s | short p50 s | short p99 s | short TTFT p50 s | short ok/sent | long ok/sent |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, result in results.items():
@@ -156,10 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--short-every", type=float, default=3.0)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--schedulers", nargs="+", default=["fifo", "priority"])
+    parser.add_argument("--server-args", default="", help="more tokenmill launch flags for every run, in one string")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
-    run_data = run(args.duration, args.long_concurrency, args.short_every, args.max_batch_size, args.schedulers)
+    run_data = run(args.duration, args.long_concurrency, args.short_every, args.max_batch_size, args.schedulers,
+                   args.server_args.split())
     command = "python -m bench mixed " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(run_data, command.strip())
     if args.no_write:

@@ -69,8 +69,11 @@ class Room:
         self.prefill_tokens += seq.pending_len
 
     def _blocks_needed(self, seq: Sequence) -> int:
+        """New blocks: its whole context, less what it still holds (a suspended sequence keeps
+        its blocks), plus one to grow into unless it is alone."""
         alone = not self.holding and not self.admitted
-        return blocks_for(seq.total_len, self.budget.block_size) + (0 if alone else 1)
+        held = blocks_for(seq.num_computed, self.budget.block_size)
+        return blocks_for(seq.total_len, self.budget.block_size) - held + (0 if alone else 1)
 
 
 def joins_now(admitting: int, batch_size: int, steps_waited: int, limits: BatchLimits) -> bool:

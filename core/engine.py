@@ -92,6 +92,7 @@ class Engine:
         self.prefilling: list[Sequence] = []
         """Admitted sequences whose prompt is prefilled in chunks over several steps."""
         self.preemptions = 0
+        self.suspensions = 0
         self._incoming: list[Sequence] = []
         self._cancelled: dict[int, Sequence] = {}
         self._wake = threading.Condition()
@@ -294,15 +295,27 @@ class Engine:
                           self.runner.kv_block_size)
 
     def _preempt_for_waiting(self) -> None:
-        """Preempt the running sequences the scheduler names to let waiting ones start (a
+        """Set aside the running sequences the scheduler names to let waiting ones start (a
         scheduler without ``preempt`` never does)."""
         choose = getattr(self.queue, "preempt", None)
         holding = self.running + self.prefilling
         if choose is None or not holding or not len(self.queue):
             return
-        for victim in choose(holding, self._step_budget(self.prefill_budget)):
-            if victim in holding:
-                self._preempt(victim)
+        for preemption in choose(holding, self._step_budget(self.prefill_budget)):
+            if preemption.seq not in holding:
+                continue
+            if preemption.keep_kv and self.runner.pausable and preemption.seq in self.running:
+                self._suspend(preemption.seq)
+            else:
+                self._preempt(preemption.seq)
+
+    def _suspend(self, seq: Sequence) -> None:
+        """Take a decoding sequence out of the batch with its KV memory kept; when the scheduler
+        admits it again, its one pending token runs as a one-token prefill and it decodes on."""
+        self.running = [s for s in self.running if s.id != seq.id]
+        self.queue.requeue(seq)
+        self.suspensions += 1
+        log.info("suspended sequence %d (%d tokens, KV kept)", seq.id, seq.total_len)
 
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
         """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""

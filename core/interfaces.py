@@ -159,10 +159,21 @@ class SchedulerQueue(Protocol):
         ...
 
     # Optional: a queue may also define
-    #     preempt(self, running: list[Sequence], budget: StepBudget) -> list[Sequence]
-    # which the engine calls before ``admit`` each step: the running sequences to preempt
-    # now (their KV memory is freed and they are requeued; they resume later with the
-    # same output) so that waiting ones can start.
+    #     preempt(self, running: list[Sequence], budget: StepBudget) -> list[Preemption]
+    # which the engine calls before ``admit`` each step: the running sequences to set
+    # aside now so that waiting ones can start. They are requeued and resume later with
+    # the same output.
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A running sequence a scheduler sets aside for waiting ones."""
+
+    seq: Sequence
+    keep_kv: bool
+    """True: it only gives up its place in the batch and keeps its KV memory, and resumes without
+    recomputing (where the backend can leave rows out of a step; otherwise it is treated as
+    False). False: its KV memory is freed and its tokens are recomputed when it resumes."""
 
 
 class Scheduler(Implementation):

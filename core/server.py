@@ -460,7 +460,10 @@ class MetricsRoute:
             gauges["tokenmill_kv_blocks_used"] = ("KV blocks in use", usage["blocks_used"])
             gauges["tokenmill_kv_blocks_free"] = ("KV blocks free", usage["blocks_total"] - usage["blocks_used"])
         counters = {
-            "tokenmill_preemptions_total": ("sequences preempted to free KV memory", engine.preemptions if engine else 0),
+            "tokenmill_preemptions_total": ("sequences preempted, their KV memory freed to be recomputed later",
+                                            engine.preemptions if engine else 0),
+            "tokenmill_suspensions_total": ("sequences set aside for a higher class, their KV memory kept",
+                                            engine.suspensions if engine else 0),
         }
         lines = []
         described: set[str] = set()

@@ -371,28 +371,6 @@ def test_paged_server_with_a_small_pool_preempts_and_still_answers_like_generate
         server.stop()
 
 
-def test_queue_lists_running_requests_with_their_class_but_no_prompt_text(tiny_server):
-    secret = "The password is swordfish and nobody may read it"
-    with tiny_server.client() as watcher:
-        client = tiny_server.client()
-        with client.stream("POST", "/generate_stream", headers={"X-Priority": "high"},
-                           json={"inputs": secret, "parameters": {"max_new_tokens": 400}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    break
-            queue = watcher.get("/queue")
-            metrics = watcher.get("/metrics").text
-        client.close()
-    assert queue.status_code == 200
-    view = queue.json()
-    assert view["batch_size"] == 1 and view["queue_size"] == 0 and view["scheduler"] == "fifo"
-    [running] = view["running"]
-    assert running["priority"] == "high" and running["state"] in ("prefilling", "decoding")
-    assert running["prompt_tokens"] > 5 and running["max_new_tokens"] == 400 and running["waited_seconds"] >= 0
-    assert "swordfish" not in queue.text
-    assert 'tokenmill_queue_class_size{class="high"} 0' in metrics and "tgi_batch_current_size 1" in metrics
-
-
 @pytest.mark.parametrize("where", ["parameter", "header"])
 def test_an_unknown_priority_class_is_422(tiny_server, where):
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
@@ -407,7 +385,8 @@ def test_an_unknown_priority_class_is_422(tiny_server, where):
     assert response.json()["error_type"] == "validation" and "priority" in response.json()["error"]
 
 
-def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served(tiny_model_dir):
+def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served_and_queue_shows_it(
+        tiny_model_dir):
     """Driven through the ASGI app itself, so that the client's stall is exact (over TCP the
     kernel's socket buffers absorb megabytes before the server's writes block)."""
     import asyncio
@@ -419,11 +398,13 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
     config = parse_config(["--model-id", str(tiny_model_dir), "--backend", "paged", "--stream-buffer-tokens", "4",
                            "--max-total-tokens", "512", "--max-input-tokens", "64"], env={})
     app = create_app(config, build_plugin_manager(autoload=False))
-    body = json.dumps({"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 200}}).encode()
+    body = json.dumps({"inputs": "The password is swordfish. " + PROMPTS[1],
+                       "parameters": {"max_new_tokens": 200}}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "path": "/generate_stream", "raw_path": b"/generate_stream", "query_string": b"", "root_path": "",
              "scheme": "http", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"x-priority", b"high")]}
 
     async def scenario() -> tuple[list[dict], list[bytes], int]:
         lifespan_in: asyncio.Queue = asyncio.Queue()
@@ -462,15 +443,28 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
                 break
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
             other = await client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 20}})
+            for _ in range(100):  # the engine publishes its queue at the end of the step that ended `other`
+                queue = await client.get("/queue")
+                if queue.json()["batch_size"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            metrics = (await client.get("/metrics")).text
         paused_at = state.engine.queue_view()["running"]
         reading.set()
         await asyncio.wait_for(stream, 60)
         await lifespan_in.put({"type": "lifespan.shutdown"})
         await asyncio.wait_for(lifespan, 30)
         assert other.status_code == 200 and other.json()["generated_text"], "another client was served meanwhile"
-        return [views[-1][0], paused_at[0]], chunks, other.status_code
+        return [views[-1][0], paused_at[0]], chunks, queue, metrics
 
-    (paused, still_paused), chunks, _ = asyncio.run(scenario())
+    (paused, still_paused), chunks, queue, metrics = asyncio.run(scenario())
+    view = queue.json()
+    assert queue.status_code == 200 and view["batch_size"] == 1 and view["queue_size"] == 0
+    assert view["scheduler"] == "fifo" and "swordfish" not in queue.text, "no prompt text in /queue"
+    [running] = view["running"]
+    assert running["priority"] == "high" and running["state"] == "paused" and running["unsent_tokens"] >= 4
+    assert running["prompt_tokens"] > 5 and running["max_new_tokens"] == 200 and running["waited_seconds"] >= 0
+    assert 'tokenmill_queue_class_size{class="high"} 0' in metrics and "tgi_batch_current_size 1" in metrics
     assert paused["state"] == "paused" and still_paused["state"] == "paused"
     assert paused["generated_tokens"] == still_paused["generated_tokens"] < 12, "it stopped near its buffer"
     events = [json.loads(line[5:]) for chunk in chunks for line in chunk.decode().splitlines()

@@ -16,9 +16,10 @@ defaults a low request of 1,256 tokens outranks new high ones after about 52 s).
 
 Unlike ``fifo``, a request starts as soon as it fits (TGI's waiting-served rule would
 make a short or urgent request wait for company). When the heaviest waiting request
-lacks seats or KV memory and a running sequence of a lower class holds them, the
-lightest such sequence is preempted: its blocks are freed and it is requeued with its
-original arrival time, to resume later with the same output.
+lacks a seat (``--max-batch-size``) or KV memory and a running sequence of a lower class
+holds one, the lightest such sequence is preempted and requeued with its original
+arrival time, to resume later with the same output: for a seat it is only suspended
+and keeps its KV memory (nothing is recomputed); for memory its blocks are freed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Callable
 
 import tokenmill
 from tokenmill.admission import Room
-from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
+from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
 from tokenmill.sequence import PRIORITY_CLASSES, Sequence
 
 
@@ -84,19 +85,22 @@ class PriorityQueue(SchedulerQueue):
         self.waiting = [s for s in self.waiting if s.id not in taken]
         return admitted
 
-    def preempt(self, running: list[Sequence], budget: StepBudget) -> list[Sequence]:
+    def preempt(self, running: list[Sequence], budget: StepBudget) -> list[Preemption]:
         """The lightest running sequence of a lower class than the heaviest waiting one, when
-        that one lacks seats or KV memory (not when it only waits for this step's prefill budget)."""
+        that one lacks a seat (it is suspended, keeping its KV memory) or KV memory (its memory
+        is freed); never when it only waits for this step's prefill budget."""
         if not self.waiting or not running:
             return []
         first = self.ordered()[0]
-        if Room(self.limits, running, budget).shortage(first) not in ("seats", "memory"):
+        shortage = Room(self.limits, running, budget).shortage(first)
+        if shortage not in ("seats", "memory"):
             return []
         lower = [s for s in running if self.rank[s.request.priority] < self.rank[first.request.priority]]
         if not lower:
             return []
         now = self.clock()
-        return [min(lower, key=lambda s: (self.weight(s, now), -s.arrived_at))]
+        victim = min(lower, key=lambda s: (self.weight(s, now), -s.arrived_at))
+        return [Preemption(victim, keep_kv=shortage == "seats")]
 
 
 class PriorityScheduler(Scheduler):
