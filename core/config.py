@@ -51,6 +51,7 @@ class Config:
     block_size: int | None = None
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
+    disable_custom_kernels: bool = False
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
 
@@ -176,6 +177,7 @@ _HELP = {
     "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
     "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
     "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",
+    "disable_custom_kernels": "use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for SDPA instead)",
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }

@@ -4,7 +4,7 @@ The source ships in the package (``native/``); the build lands in torch's extens
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so it compiles once
 per machine (~30 s on 2 cores) and later starts load it in well under a second. Without a
 C++ compiler and ninja the kernels are unavailable and callers keep their plain PyTorch
-path; ``TOKENMILL_NATIVE_KERNELS=0`` turns them off.
+path; ``--disable-custom-kernels`` or ``TOKENMILL_NATIVE_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "native" / "paged_decode.cpp"
+_turned_off: str | None = None
+
+
+def turn_off(reason: str) -> None:
+    """Use no native kernel in this process from now on (``--disable-custom-kernels``)."""
+    global _turned_off
+    _turned_off = reason
 
 
 def _compiler_flags() -> tuple[str, list[str]]:
@@ -52,6 +59,8 @@ def _load() -> tuple[Any, str | None]:
 
 def native_unavailable_reason() -> str | None:
     """None when the native CPU kernels are built and loaded (building them now if needed)."""
+    if _turned_off:
+        return f"turned off by {_turned_off}"
     module, reason = _load()
     if reason:
         log.warning("tokenmill's native CPU kernels are unavailable (%s); attention uses plain PyTorch", reason)

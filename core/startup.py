@@ -13,6 +13,7 @@ from typing import Any, Callable
 import pluggy
 import torch
 
+from tokenmill import native_kernels
 from tokenmill.config import Config
 from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.engine import Engine, eos_token_ids
@@ -37,6 +38,8 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                  on_chosen: Callable[[Chosen], None] | None = None) -> Started:
     """Choose the plugins, load the model, size KV memory, resolve the limits and warm up.
     The engine is returned ready but not started."""
+    if config.disable_custom_kernels:
+        native_kernels.turn_off("--disable-custom-kernels")
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
                         config.block_size)
     # A paged backend routes attention itself once it runs; until then the model loads with sdpa.

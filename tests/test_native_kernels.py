@@ -70,3 +70,12 @@ def test_turning_native_kernels_off_gives_the_reason(monkeypatch):
                                         torch.tensor([4]), None, 1.0)
     finally:
         native_kernels._load.cache_clear()
+
+
+def test_disable_custom_kernels_turns_them_off_with_the_flag_named(monkeypatch):
+    from tokenmill.config import parse_config
+
+    assert parse_config(["--disable-custom-kernels"], env={}).disable_custom_kernels is True
+    monkeypatch.setattr(native_kernels, "_turned_off", None)
+    native_kernels.turn_off("--disable-custom-kernels")
+    assert native_kernels.native_unavailable_reason() == "turned off by --disable-custom-kernels"
