@@ -1,13 +1,18 @@
-"""The ``tokenmill`` command: ``launch`` serves a model, ``plugins`` lists what is installed."""
+"""The ``tokenmill`` command: ``launch`` serves a model, ``plugins`` lists what is installed,
+``watermark-detect`` tests text for the green-list watermark."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
-from tokenmill.loading import ModelLoadError, resolve
+from tokenmill.loading import ModelLoadError, converted_gguf, resolve
 from tokenmill.logs import setup_logging
 from tokenmill.plugins import PluginError, build_plugin_manager, choose_all, list_all
 
@@ -47,11 +52,120 @@ def plugins(argv: Sequence[str]) -> int:
     return 0
 
 
-USAGE = """usage: tokenmill {launch,plugins,version} [options]
+class UsageError(Exception):
+    """A command line that cannot run; the message is one line for the user."""
 
-  launch   serve a model over TGI's HTTP API (tokenmill launch --help)
-  plugins  list the registered backends, attention kernels, schedulers and KV allocators
-  version  print the version
+
+def watermark_parser() -> argparse.ArgumentParser:
+    from tokenmill.watermark import DETECTION_THRESHOLD
+
+    parser = argparse.ArgumentParser(
+        prog="tokenmill watermark-detect",
+        description="Test text for the green-list watermark (Kirchenbauer et al. 2023) that "
+                    "`launch` adds to requests asking for `watermark`. Prints one JSON object.")
+    parser.add_argument("text", nargs="?", help="the text to test (default: --file, else stdin)")
+    parser.add_argument("--file", type=Path, help="read the text from this file")
+    parser.add_argument("--model-id", default=os.environ.get("MODEL_ID") or None,
+                        help="the model that generated the text, as `launch --model-id` takes it [env MODEL_ID]")
+    parser.add_argument("--revision", default=os.environ.get("REVISION") or None,
+                        help="hub revision of --model-id [env REVISION]")
+    parser.add_argument("--watermark-gamma", type=float, default=None,
+                        help="the server's --watermark-gamma (default 0.5) [env WATERMARK_GAMMA]")
+    parser.add_argument("--prompt", help="the prompt the text continues; its last token seeds the first green list")
+    parser.add_argument("--ignore-repeated-bigrams", action="store_true",
+                        help="score each (previous, token) pair once, so repetitive text (code, lists) "
+                             "cannot pass for watermarked")
+    parser.add_argument("--threshold", type=float, default=DETECTION_THRESHOLD,
+                        help=f"z-score above which the text counts as watermarked (default {DETECTION_THRESHOLD:g})")
+    return parser
+
+
+def watermark_gamma(flag: float | None) -> float:
+    """The flag, else WATERMARK_GAMMA, else 0.5: the same default the server's flag has."""
+    gamma: float
+    if flag is not None:
+        gamma = flag
+    else:
+        raw = os.environ.get("WATERMARK_GAMMA", "")
+        try:
+            gamma = float(raw) if raw else Config.watermark_gamma
+        except ValueError:
+            raise UsageError(f"environment variable WATERMARK_GAMMA={raw!r} is not a number") from None
+    if not 0 < gamma < 1:
+        raise UsageError(f"--watermark-gamma must be in (0, 1) (got {gamma})")
+    return gamma
+
+
+def text_to_test(text: str | None, file: Path | None) -> str:
+    if text is not None and file is not None:
+        raise UsageError("give the text as an argument or --file, not both")
+    if file is not None:
+        try:
+            text = file.read_text()
+        except OSError as error:
+            raise UsageError(f"cannot read --file: {error}") from None
+    elif text is None:
+        text = sys.stdin.read()
+    if not text:
+        raise UsageError("no text to test: pass it as an argument, with --file, or on stdin")
+    return text
+
+
+def load_tokenizer_and_vocab_size(model_id: str | None, revision: str | None) -> tuple[Any, int]:
+    """The model's tokenizer and logits width, found as ``launch`` finds the model, without its weights.
+
+    The vocabulary size comes from the model's config, not the tokenizer: the green
+    lists were drawn over the logits, which are often wider than the tokenizer.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    _, path = resolve(model_id, revision)
+    try:
+        if path.suffix == ".gguf":
+            path = converted_gguf(path)  # the checkpoint the server loads too, converted once and cached
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot load the tokenizer or config of {path}: {error}") from None
+    return tokenizer, vocab_size
+
+
+def watermark_detect(argv: Sequence[str]) -> int:
+    from tokenmill.watermark import detect_text
+
+    try:
+        args = watermark_parser().parse_args(list(argv))
+    except SystemExit as stop:  # --help, or a flag argparse rejected (it printed why)
+        return int(stop.code or 0)
+    try:
+        gamma = watermark_gamma(args.watermark_gamma)
+        text = text_to_test(args.text, args.file)
+        tokenizer, vocab_size = load_tokenizer_and_vocab_size(args.model_id, args.revision)
+        score = detect_text(text, tokenizer, vocab_size, gamma, prompt=args.prompt,
+                            ignore_repeated_bigrams=args.ignore_repeated_bigrams)
+    except (UsageError, ModelLoadError, ValueError) as error:
+        print(f"tokenmill: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({
+        "z_score": score.z_score,
+        "p_value": score.p_value,
+        "green_tokens": score.green_tokens,
+        "scored_tokens": score.scored_tokens,
+        "green_fraction": score.green_fraction,
+        "gamma": gamma,
+        "watermarked": score.z_score > args.threshold,
+    }))
+    return 0
+
+
+USAGE = """usage: tokenmill {launch,plugins,watermark-detect,version} [options]
+
+  launch            serve a model over TGI's HTTP API (tokenmill launch --help)
+  plugins           list the registered backends, attention kernels, schedulers and KV allocators
+  watermark-detect  test text for the watermark `launch` adds (tokenmill watermark-detect --help)
+  version           print the version
 """
 
 
@@ -65,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(rest)
     if command == "plugins":
         return plugins(rest)
+    if command == "watermark-detect":
+        return watermark_detect(rest)
     if command in ("version", "--version"):
         print(__version__)
         return 0

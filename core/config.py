@@ -28,6 +28,7 @@ class Config:
     max_best_of: int = 2
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4
     max_input_tokens: int | None = None
     max_input_length: int | None = None
     max_total_tokens: int | None = None
@@ -40,6 +41,8 @@ class Config:
     priority_aging: float = 100.0
     priority_cost: float = 1.0
     stream_buffer_tokens: int = 64
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
     hostname: str = "0.0.0.0"
     port: int = 3000
     payload_limit: int = 2_000_000
@@ -79,6 +82,12 @@ class Config:
         for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.max_client_batch_size < 1:
+            raise ConfigError(f"--max-client-batch-size must be >= 1 (got {self.max_client_batch_size})")
+        if not 0 < self.watermark_gamma < 1:
+            raise ConfigError(f"--watermark-gamma must be in (0, 1) (got {self.watermark_gamma})")
+        if self.watermark_delta <= 0:
+            raise ConfigError(f"--watermark-delta must be > 0 (got {self.watermark_delta})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535 (got {self.port})")
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
@@ -154,6 +163,7 @@ _HELP = {
     "max_best_of": "largest best_of a request may ask for",
     "max_stop_sequences": "most stop sequences per request",
     "max_top_n_tokens": "largest top_n_tokens per request",
+    "max_client_batch_size": "OpenAI routes: most choices (`n`, times the prompts of /v1/completions) in one request",
     "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
     "max_input_length": "legacy name of --max-input-tokens",
     "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",
@@ -166,6 +176,8 @@ _HELP = {
     "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",
     "priority_cost": "priority scheduler: weight lost per token of expected cost, so short requests go first",
     "stream_buffer_tokens": "tokens a streaming response may hold unsent; a client that lets it fill pauses its sequence (KV kept) until it reads",
+    "watermark_gamma": "watermark: share of the vocabulary on each step's green list",
+    "watermark_delta": "watermark: bias added to green-list logits of requests that ask for `watermark`",
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",

@@ -37,6 +37,7 @@ from tokenmill.sequence import (
     TokenEvent,
     TokenInfo,
 )
+from tokenmill.watermark import WatermarkProcessor
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,15 @@ class Engine:
         prefill_budget: int,
         pm: pluggy.PluginManager | None = None,
         stream_buffer_tokens: int = 64,
+        watermark: tuple[float, float] = (0.5, 2.0),
     ) -> None:
         self.runner = runner
         self.queue = queue
         self.prefill_budget = prefill_budget
         self.stream_buffer_tokens = stream_buffer_tokens
         """A sequence whose client has this many tokens unread pauses (keeping its KV) until it reads."""
+        self.watermark_gamma, self.watermark_delta = watermark
+        """Green-list share and logit bias for requests that ask for a watermark."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -395,11 +399,15 @@ class Engine:
         log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
 
     def _new_state(self, seq: Sequence) -> SequenceState:
+        request = seq.request
         extra: list[Any] = []
+        if request.sampling.watermark:
+            extra.append(WatermarkProcessor(self.watermark_gamma, self.watermark_delta))
         if self.pm is not None:
-            for processors in self.pm.hook.tokenmill_logits_processors(parameters=seq.request.parameters):
+            for processors in self.pm.hook.tokenmill_logits_processors(parameters=request.parameters):
                 extra.extend(processors or [])
-        sampler = SequenceSampler(seq.request.sampling, seq.seed, extra, seq.request.top_n_tokens)
+        matcher = request.grammar.new_matcher() if request.grammar is not None else None
+        sampler = SequenceSampler(request.sampling, seq.seed, extra, request.top_n_tokens, matcher, seq.prompt_len)
         return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer))
 
     def _prompt_tokens(self, prompt_ids: list[int], logits: torch.Tensor) -> list[TokenInfo]:

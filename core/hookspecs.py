@@ -105,8 +105,8 @@ def tokenmill_logits_processors(
     Called once per sequence when it is admitted, in the engine thread.
     Receives the request's validated parameters. Returns a list of callables
     ``f(token_ids: list[int], logits: torch.Tensor[vocab]) -> torch.Tensor[vocab]``,
-    applied in order after tokenmill's penalties and before temperature and
-    truncation. ``token_ids`` holds the prompt and the tokens generated so far.
+    applied in order after tokenmill's penalties and the watermark, before the
+    grammar mask, temperature and truncation. ``token_ids`` holds the prompt and the tokens generated so far.
     """
 
 

@@ -1,7 +1,8 @@
 """Turning logits into tokens: penalties, plugin processors, warpers, and the choice.
 
-The order follows TGI: repetition penalty, frequency penalty, plugin processors,
-then (when sampling) temperature, top-k, top-p and typical-p; greedy takes the
+The order follows TGI: repetition penalty, frequency penalty (and OpenAI's presence
+and frequency penalties), the request's processors (watermark, plugins), the grammar
+mask, then (when sampling) temperature, top-k, top-p and typical-p; greedy takes the
 argmax. Log-probabilities are those of the processed distribution.
 """
 
@@ -10,11 +11,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from tokenmill.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.grammar import TokenMatcher
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
@@ -45,13 +49,19 @@ class SequenceSampler:
     """The sampling state of one sequence: its generator and extra processors."""
 
     def __init__(
-        self, params: SamplingParams, seed: int | None, processors: list[LogitsProcessor], top_n: int
+        self, params: SamplingParams, seed: int | None, processors: list[LogitsProcessor], top_n: int,
+        matcher: TokenMatcher | None = None, prompt_len: int = 0,
     ) -> None:
         self.params = params
         self.sampling = uses_sampling(params)
         self.processors = processors
+        self.matcher = matcher
+        """The grammar the output must follow, or None."""
+        self.prompt_len = prompt_len
+        """Where the generated tokens start in the history (OpenAI's penalties count only those)."""
         self.needs_history = bool(
             processors or params.frequency_penalty or params.repetition_penalty not in (None, 1.0)
+            or params.presence_penalty or params.occurrence_penalty
         )
         """Whether ``process`` reads the token history (else callers may pass an empty list)."""
         self.top_n = top_n
@@ -76,11 +86,25 @@ class SequenceSampler:
                 # TGI's rule: the penalty scales each token's share of the sequence so far.
                 counts = torch.bincount(history, minlength=scores.shape[-1]).to(scores.dtype)
                 scores = scores - p.frequency_penalty * counts / len(token_ids)
+        if p.presence_penalty or p.occurrence_penalty:
+            scores = self._openai_penalties(token_ids[self.prompt_len:], scores)
         for processor in self.processors:
             scores = processor(token_ids, scores)
+        if self.matcher is not None:
+            scores = scores.masked_fill(~self.matcher.allowed(), -math.inf)
         if self.sampling:
             scores = warp(scores, p)
         return scores
+
+    def _openai_penalties(self, generated: list[int], scores: torch.Tensor) -> torch.Tensor:
+        """OpenAI's rule: each token generated so far loses ``presence_penalty`` once and
+        ``frequency_penalty`` (here ``occurrence_penalty``) per occurrence."""
+        if not generated:
+            return scores
+        p = self.params
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=scores.shape[-1])
+        counts = counts[: scores.shape[-1]].to(scores.dtype)
+        return scores - (p.occurrence_penalty or 0.0) * counts - (p.presence_penalty or 0.0) * (counts > 0).to(scores.dtype)
 
     def choose(self, token_ids: list[int], logits: torch.Tensor) -> Choice:
         scores = self.process(token_ids, logits)
@@ -93,6 +117,8 @@ class SequenceSampler:
         logprob = float(logprobs[token_id])
         if not math.isfinite(logprob):
             raise FloatingPointError(f"the chosen token's log-probability is {logprob} (non-finite logits)")
+        if self.matcher is not None:
+            self.matcher.accept(token_id)
         return Choice(token_id, logprob, top_logprobs(logprobs, self.top_n))
 
 

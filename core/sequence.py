@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from tokenmill.grammar import Grammar
 
 FINISH_LENGTH = "length"
 FINISH_EOS = "eos_token"
@@ -24,7 +27,14 @@ class SamplingParams:
     typical_p: float | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
+    """TGI's rule: scaled by each token's share of the whole sequence (prompt included)."""
+    presence_penalty: float | None = None
+    """OpenAI's: subtracted once from every token already generated."""
+    occurrence_penalty: float | None = None
+    """OpenAI's ``frequency_penalty``: subtracted per occurrence in the generated tokens."""
     seed: int | None = None
+    watermark: bool = False
+    """Bias each step towards a green list seeded by the previous token (``--watermark-gamma``/``-delta``)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class GenerationRequest:
     best_of: int = 1
     priority: str = "normal"
     """One of :data:`PRIORITY_CLASSES`; schedulers that rank requests read it."""
+    grammar: Grammar | None = None
+    """The grammar every generated token must follow, or None."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """The request's parameters as the client sent them, for hooks and logs."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import threading
@@ -25,28 +24,25 @@ import pluggy
 from tokenmill import __version__
 from tokenmill.config import Config
 from tokenmill.engine import Engine
+from tokenmill.http_body import ApiError, read_json
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.openai_api import (
+    ChatCompletionsRoute,
+    CompletionsRoute,
+    ModelsRoute,
+    OpenAIJob,
+    OpenAIStream,
+    error_event,
+    sse_events,
+)
 from tokenmill.plugins import Chosen, build_plugin_manager
 from tokenmill.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.startup import start_engine
-from tokenmill.validation import ValidationError, parse_body, validate_generate
+from tokenmill.validation import ValidationError, Validator, parse_body
 
 log = logging.getLogger(__name__)
 
 DISCONNECTED = object()
-
-
-class ApiError(Exception):
-    """An error answered with TGI's ``{"error", "error_type"}`` body."""
-
-    def __init__(self, status: int, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-
-    def body(self) -> dict[str, str]:
-        return {"error": self.message, "error_type": self.error_type}
 
 
 class Slot:
@@ -71,6 +67,7 @@ class ServerState:
         self.stages = Stages(observer=lambda stage, seconds, detail: pm.hook.tokenmill_load_stage(
             stage=stage, seconds=seconds, detail=detail))
         self.loaded: LoadedModel | None = None
+        self.validator: Validator | None = None
         self.engine: Engine | None = None
         self.chosen: Chosen | None = None
         self.vocab_size = 0
@@ -85,6 +82,7 @@ class ServerState:
     def load(self) -> None:
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
         self.loaded, self.vocab_size = started.loaded, started.vocab_size
+        self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size)
         started.engine.start()
         self.engine = started.engine
 
@@ -141,20 +139,12 @@ class Channel:
         self.queue.put_nowait(DISCONNECTED)
 
 
-async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
-    if req.content_length is not None and req.content_length > limit:
-        raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
-    raw = await req.stream.read(limit + 1)
-    if len(raw) > limit:
-        raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
-    try:
-        return json.loads(raw or b"null", parse_constant=_reject_constant)
-    except ValueError as error:
-        raise ApiError(422, f"the request body is not valid JSON: {error}", "validation") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+def with_header_priority(req: falcon.asgi.Request, params: dict[str, Any]) -> dict[str, Any]:
+    """The ``X-Priority`` header sets the ``priority`` parameter when the body does not."""
+    header_priority = req.get_header("X-Priority")
+    if header_priority is not None and "priority" not in params:
+        return {**params, "priority": header_priority.strip().lower()}
+    return params
 
 
 def on_disconnect(req: falcon.asgi.Request, callback: Callable[[], None]) -> None:
@@ -252,25 +242,29 @@ class Generation:
         body = await read_json(req, self.state.config.payload_limit)
         if stream is None:
             stream = bool(isinstance(body, dict) and body.get("stream"))
-        state = self.state
-        assert state.loaded is not None
         try:
             inputs, params = parse_body(body)
-            header_priority = req.get_header("X-Priority")
-            if header_priority is not None and "priority" not in params:
-                params = {**params, "priority": header_priority.strip().lower()}
-            request = await asyncio.get_running_loop().run_in_executor(
-                state.tokenizer_thread, validate_generate, inputs, params, state.loaded.tokenizer, state.config,
-                stream, state.vocab_size)
+            params = with_header_priority(req, params)
+            request = await self.validate(self.validator().generate, inputs, params, stream)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
         return request, stream, time.monotonic()
 
-    async def run_to_end(self, req: falcon.asgi.Request, request: GenerationRequest) -> list[FinalResult]:
-        """Run ``best_of`` sequences to their end; cancel them all if the client leaves or one fails."""
+    def validator(self) -> Validator:
+        assert self.state.validator is not None, "validation runs only once the model is ready"
+        return self.state.validator
+
+    async def validate(self, check: Callable[..., Any], *args: Any) -> Any:
+        """Run ``check(*args)`` on the tokenizer thread (tokenizing and compiling grammars take milliseconds)."""
+        return await asyncio.get_running_loop().run_in_executor(self.state.tokenizer_thread, check, *args)
+
+    async def run_to_end(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+                         ) -> list[FinalResult]:
+        """Run each (request, seed) job as one sequence to its end, results in order; cancel them
+        all if the client leaves or one fails."""
         engine = self.state.ready_engine()
-        channels = [Channel() for _ in range(request.best_of)]
-        seqs = [engine.submit(request, channel.sink) for channel in channels]
+        channels = [Channel() for _ in jobs]
+        seqs = [engine.submit(request, channel.sink, seed) for (request, seed), channel in zip(jobs, channels)]
         for seq, channel in zip(seqs, channels):
             on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
         watcher = asyncio.create_task(watch_receive(req))
@@ -305,13 +299,14 @@ class Generation:
             error=error,
         )
 
-    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                           request: GenerationRequest, started: float, validated: float, as_list: bool) -> None:
+    async def run_tracked(self, req: falcon.asgi.Request, request: GenerationRequest,
+                          jobs: list[tuple[GenerationRequest, int | None]]) -> list[FinalResult]:
+        """``run_to_end`` holding one concurrency slot, with the request start and finish hooks."""
         slot = self.state.take_slot()
         request_id = next(self.state.request_ids)
         try:
             self.started(request_id, request)
-            results = await self.run_to_end(req, request)
+            results = await self.run_to_end(req, jobs)
         except ApiError as error:
             self.finished(request_id, None, error.message)
             raise
@@ -320,8 +315,13 @@ class Generation:
             raise
         finally:
             slot.release()
+        self.finished(request_id, max(results, key=lambda r: r.logprob_sum()), None)
+        return results
+
+    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                           request: GenerationRequest, started: float, validated: float, as_list: bool) -> None:
+        results = await self.run_tracked(req, request, [(request, None)] * request.best_of)
         best = max(results, key=lambda r: r.logprob_sum())
-        self.finished(request_id, best, None)
         body: dict[str, Any] = {"generated_text": best.generated_text}
         if request.details:
             body["details"] = details_json(best, request.top_n_tokens > 0)
@@ -397,6 +397,67 @@ class Generation:
             "generated_text": final.generated_text if final is not None else None,
             "details": details,
         }
+
+
+    async def run_openai(self, req: falcon.asgi.Request, job: OpenAIJob) -> list[FinalResult]:
+        return await self.run_tracked(req, job.requests[0], job.sequences())
+
+    async def stream_openai(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, job: OpenAIJob,
+                            stream: OpenAIStream) -> None:
+        """Stream every choice of ``job`` in one SSE response, chunks tagged with their choice index."""
+        engine = self.state.ready_engine()
+        slot = self.state.take_slot()
+        request_id = next(self.state.request_ids)
+        channel = Channel()
+        try:
+            self.started(request_id, job.requests[0])
+            seqs = [engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed, backlog=channel.backlog)
+                    for i, (request, seed) in enumerate(job.sequences())]
+        except BaseException:
+            slot.release()
+            raise
+        for seq in seqs:
+            on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
+        on_disconnect(req, slot.release)
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.sse = sse_events(self.openai_chunks(engine, seqs, channel, stream, request_id, slot))
+
+    async def openai_chunks(self, engine: Engine, seqs: list[Sequence], channel: Channel, stream: OpenAIStream,
+                            request_id: int, slot: Slot) -> AsyncIterator[dict[str, Any] | None]:
+        """The stream's chunks; None last, for ``data: [DONE]``. An error ends it with an error event."""
+        first: FinalResult | None = None
+        error: str | None = None
+        running = len(seqs)
+        try:
+            for chunk in stream.opening():
+                yield chunk
+            while running:
+                item = await channel.queue.get()
+                if item is DISCONNECTED:
+                    error = "client disconnected"
+                    return
+                index, event = item
+                if isinstance(event, ErrorEvent):
+                    error = event.message
+                    yield error_event(event)
+                    return
+                for chunk in stream.on_event(index, event):
+                    yield chunk
+                channel.delivered += 1
+                if event.final is not None:
+                    running -= 1
+                    first = first or event.final
+            for chunk in stream.closing():
+                yield chunk
+            yield None
+        finally:
+            if running:
+                for seq in seqs:
+                    engine.cancel(seq)
+                error = error or "client disconnected"
+            slot.release()
+            self.finished(request_id, None if error else first, error)
 
 
 class GenerateRoute:
@@ -587,6 +648,9 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/info", InfoRoute(state))
     app.add_route("/metrics", MetricsRoute(state))
     app.add_route("/queue", QueueRoute(state))
+    app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
+    app.add_route("/v1/completions", CompletionsRoute(generation))
+    app.add_route("/v1/models", ModelsRoute(state))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ApiError, handle_api_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)

@@ -84,7 +84,8 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         priority_cost=config.priority_cost,
     ))
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                    config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens)
+                    config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
+                    watermark=(config.watermark_gamma, config.watermark_delta))
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
     stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from tokenmill.config import Config
+from tokenmill.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling import uses_sampling
 from tokenmill.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
 
@@ -77,6 +78,11 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
     seed = _number(params, "seed", int)
     if seed is not None and not 0 <= seed < 2**64:
         raise ValidationError("`seed` must be >= 0 and < 2^64")
+    presence_penalty = _number(params, "presence_penalty", float)
+    occurrence_penalty = _number(params, "occurrence_penalty", float)
+    for name, value in (("presence_penalty", presence_penalty), ("occurrence_penalty", occurrence_penalty)):
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
     return SamplingParams(
         do_sample=_flag(params, "do_sample", False),
         temperature=temperature,
@@ -85,14 +91,36 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
         typical_p=typical_p,
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        occurrence_penalty=occurrence_penalty,
         seed=seed,
+        watermark=_flag(params, "watermark", False),
     )
 
 
+class Validator:
+    """Checks requests against the loaded model and the server's limits."""
+
+    def __init__(self, tokenizer: Any, config: Config, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = vocab_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+
+    def generate(self, inputs: str, params: dict[str, Any], stream: bool, *, add_special_tokens: bool = True,
+                 max_top_n: int | None = None, grammar: Grammar | None = None) -> GenerationRequest:
+        """A GenerationRequest for the engine, or ValidationError with TGI's message. The OpenAI
+        routes pass a rendered chat prompt (its special tokens already in the text), their own
+        top-logprobs limit, and the grammar they compiled for tools."""
+        return validate_generate(inputs, params, self.tokenizer, self.config, stream, self.vocab_size,
+                                 self.grammars, add_special_tokens, max_top_n, grammar)
+
+
 def validate_generate(
-    inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool, vocab_size: int
+    inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool, vocab_size: int,
+    grammars: GrammarCompiler, add_special_tokens: bool = True, max_top_n: int | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerationRequest:
-    """A GenerationRequest for the engine, or ValidationError with TGI's message."""
     assert config.max_input_tokens is not None and config.max_total_tokens is not None
     sampling = sampling_params(params)
 
@@ -119,19 +147,19 @@ def validate_generate(
         raise ValidationError("`stop` sequences cannot be empty strings")
 
     top_n_tokens = _number(params, "top_n_tokens", int) or 0
-    if not 0 <= top_n_tokens <= config.max_top_n_tokens:
-        raise ValidationError(
-            f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top_n_tokens}"
-        )
+    max_top_n = config.max_top_n_tokens if max_top_n is None else max_top_n
+    if not 0 <= top_n_tokens <= max_top_n:
+        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}")
 
     decoder_input_details = _flag(params, "decoder_input_details", False)
     if decoder_input_details and stream:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
 
-    if _flag(params, "watermark", False):
-        raise ValidationError("`watermark` is not supported by this server yet")
     if params.get("grammar") is not None:
-        raise ValidationError("`grammar` is not supported by this server yet")
+        try:
+            grammar = grammar_from_parameter(grammars, params["grammar"])
+        except GrammarError as error:
+            raise ValidationError(str(error)) from None
     priority = params.get("priority", "normal")
     if priority not in PRIORITY_CLASSES:
         raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")
@@ -140,7 +168,7 @@ def validate_generate(
 
     if inputs == "":
         raise ValidationError("`inputs` cannot be empty")
-    input_ids = list(tokenizer(inputs, add_special_tokens=True)["input_ids"])
+    input_ids = list(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
     if not input_ids:
         raise ValidationError("`inputs` cannot be empty")
 
@@ -181,5 +209,6 @@ def validate_generate(
         return_full_text=_flag(params, "return_full_text", False),
         best_of=best_of or 1,
         priority=priority,
+        grammar=grammar,
         parameters=dict(params),
     )

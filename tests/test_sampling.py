@@ -58,6 +58,36 @@ def test_frequency_penalty_subtracts_the_share_of_each_token_as_tgi_does():
     assert scores[1] == 3.0 - 0.5 * 2 / 4 and scores[2] == 2.0 - 0.5 / 4 and scores[0] == 4.0
 
 
+def test_openai_penalties_count_only_generated_tokens_presence_once_and_frequency_per_occurrence():
+    params = SamplingParams(presence_penalty=0.5, occurrence_penalty=0.25)
+    sampler = SequenceSampler(params, None, [], 0, prompt_len=2)
+    scores = sampler.process([0, 1, 2, 2, 3], LOGITS)  # prompt [0, 1]; generated [2, 2, 3]
+    assert scores[0] == LOGITS[0] and scores[1] == LOGITS[1]
+    assert scores[2] == LOGITS[2] - 0.5 - 2 * 0.25 and scores[3] == LOGITS[3] - 0.5 - 0.25
+
+
+class ForbidZero:
+    """A stand-in for a grammar matcher: everything but token 0 is allowed; records what it accepts."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def allowed(self) -> torch.Tensor:
+        mask = torch.ones(6, dtype=torch.bool)
+        mask[0] = False
+        return mask
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+
+def test_a_grammar_matcher_masks_the_choice_and_learns_the_chosen_token():
+    matcher = ForbidZero()
+    choice = SequenceSampler(SamplingParams(), None, [], 0, matcher=matcher).choose([], LOGITS)
+    assert choice.token_id == 1 and matcher.accepted == [1]
+    assert math.isclose(choice.logprob, float(LOGITS[1:].log_softmax(-1)[0]), rel_tol=1e-6)
+
+
 def test_greedy_picks_the_argmax_with_its_logprob_and_top_tokens():
     choice = SequenceSampler(SamplingParams(), None, [], 3).choose([], LOGITS)
     assert choice.token_id == 0

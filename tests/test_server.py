@@ -182,8 +182,10 @@ INVALID = [
     ({"truncate": 0}, "truncate"),
     ({"truncate": 100000}, "truncate"),
     ({"temperature": "hot"}, "temperature"),
-    ({"watermark": True}, "watermark"),
-    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar"),
+    ({"watermark": "yes"}, "watermark"),
+    ({"grammar": {"type": "regex"}}, "grammar"),
+    ({"grammar": {"type": "xml", "value": "<a/>"}}, "grammar.type"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
 ]
 
 

@@ -1,0 +1,215 @@
+"""Chat prompts and tool calls for the OpenAI routes.
+
+A chat request becomes one prompt through the tokenizer's chat template. Tools are
+shown to the model (through the template when it knows tools, else in a system
+message) and its output is held to a grammar: a call is a JSON object
+``{"name": ..., "arguments": {...}}`` valid for one of the offered tools; with
+``tool_choice`` ``auto`` the model may instead answer in plain text (text that does
+not start with ``{``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.grammar import JSON_LAYOUT, Grammar, GrammarCompiler
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatError(ValueError):
+    """The conversation or its tools cannot be turned into a prompt (answered with 422)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+def message_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or the text parts of a content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatError(f"`{where}`: only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatError(f"`{where}` must be a string or a list of content parts")
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template expects them: role and text content (and tool calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("`messages` must be a non-empty list")
+    parsed = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ChatError(f"`{where}` must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatError(f"`{where}.role` must be one of {', '.join(ROLES)}; got {role!r}")
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": message_text(message.get("content"), f"{where}.content")}
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise ChatError(f"`{where}.tool_calls` must be a list, on an assistant message")
+            entry["tool_calls"] = [_history_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            entry["tool_call_id"] = message["tool_call_id"]
+        parsed.append(entry)
+    return parsed
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatError(f"`{where}.function.name` must be a string")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise ChatError(f"`{where}.function.arguments` must be a JSON object text") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def parse_tools(tools: Any) -> list[Tool]:
+    if not isinstance(tools, list):
+        raise ChatError("`tools` must be a list")
+    parsed: list[Tool] = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ChatError(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatError(f"`tools[{i}].function.name` must be a non-empty string")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise ChatError(f"`tools[{i}].function.parameters` must be a JSON schema object")
+        parsed.append(Tool(name, str(function.get("description") or ""), parameters))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise ChatError("`tools`: function names must be unique")
+    return parsed
+
+
+def tools_to_offer(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], bool]:
+    """The tools the output may call and whether a plain-text answer is allowed instead."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return [], True
+    if not tools:
+        raise ChatError("`tool_choice` needs `tools`")
+    if tool_choice == "auto":
+        return tools, True
+    if tool_choice == "required":
+        return tools, False
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str):
+        raise ChatError('`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    named = [t for t in tools if t.name == name]
+    if not named:
+        raise ChatError(f"`tool_choice` names {name!r}, which is not among `tools` ({', '.join(t.name for t in tools)})")
+    return named, False
+
+
+def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """A JSON schema that accepts exactly the valid calls of ``tools``."""
+    calls = [{
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for tool in tools]
+    return {"anyOf": calls, "x-guidance": JSON_LAYOUT}
+
+
+def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: bool) -> Grammar:
+    call = "%json " + json.dumps(tool_call_schema(tools))
+    if not text_allowed:
+        return compiler.lark(f"start: {call}\n")
+    # A plain answer is any text that does not open a JSON object, so the first character decides.
+    return compiler.lark(f"start: call | answer\ncall: {call}\nanswer: /[^{{\\s][\\s\\S]*/\n")
+
+
+def tools_instruction(tools: list[Tool], text_allowed: bool) -> str:
+    listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools])
+    ending = ("If none of them helps, answer the user in plain text instead." if text_allowed
+              else "You must call one of them.")
+    return ("You can call these functions:\n" + listing + "\n"
+            'To call one, reply with only a JSON object: {"name": <function name>, "arguments": <its arguments>}. '
+            + ending)
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool) -> str:
+    """The prompt text for ``messages``: the chat template with the assistant's turn opened."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
+    if "tool_calls" not in template:
+        messages = [_calls_as_text(m) for m in messages]
+    kwargs: dict[str, Any] = {}
+    if tools:
+        if "tools" in template:
+            kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                                   "parameters": t.parameters}} for t in tools]
+        else:
+            messages = _with_system_note(messages, tools_instruction(tools, text_allowed))
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises on a bad conversation
+        raise ChatError(f"the chat template refused the conversation: {error}") from None
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's tool calls written as the JSON the model is asked to produce."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                     for c in calls)
+    return {"role": message["role"], "content": (message["content"] + "\n" + text).strip()}
+
+
+def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": (messages[0]["content"] + "\n\n" + note).strip()}
+        return [first] + messages[1:]
+    return [{"role": "system", "content": note}] + messages
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI returns them."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tool_call(text: str) -> ToolCall | None:
+    """The call in a constrained output, or None when the model answered in text (or was cut short)."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return ToolCall("call_" + secrets.token_hex(12), value["name"], json.dumps(value.get("arguments", {})))
