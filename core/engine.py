@@ -21,6 +21,7 @@ import pluggy
 import torch
 
 from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.grammar import batch_allowed
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
 from tokenmill.sampling import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
 from tokenmill.sequence import (
@@ -419,18 +420,31 @@ class Engine:
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         finished = []
+        masks = self._grammar_masks(seqs)
         for row, seq in enumerate(seqs):
             if seq.cancelled:
                 finished.append(seq)
                 continue
             try:
-                if self._append_token(seq, logits[row]):
+                if self._append_token(seq, logits[row], masks.get(seq.id)):
                     finished.append(seq)
             except Exception as error:  # noqa: BLE001 - one request's failure stays its own
                 log.exception("sequence %d failed", seq.id)
                 self._emit(seq, ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
                 finished.append(seq)
         self._release(finished)
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """The next-token mask of each constrained sequence, by id, computed for all of them at once."""
+        constrained = [s for s in seqs if not s.cancelled and s.state.sampler.matcher is not None]
+        if not constrained:
+            return {}
+        try:
+            allowed = batch_allowed([s.state.sampler.matcher for s in constrained])
+        except Exception:  # noqa: BLE001 - each sampler then computes its own mask, and fails alone if it must
+            log.exception("computing the grammar masks of the batch failed")
+            return {}
+        return {seq.id: allowed[i] for i, seq in enumerate(constrained)}
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend (whether or not they joined the batch) and forget them."""
@@ -453,10 +467,10 @@ class Engine:
         except Exception:  # noqa: BLE001 - a closed channel must not stop the engine
             log.exception("could not deliver an event to sequence %d", seq.id)
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> bool:
+    def _append_token(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> bool:
         state: SequenceState = seq.state
         history = seq.prompt_ids + seq.generated_ids if state.sampler.needs_history else []
-        choice = state.sampler.choose(history, logits)
+        choice = state.sampler.choose(history, logits, allowed)
         token_id = choice.token_id
         seq.generated_ids.append(token_id)
         seq.num_computed = seq.total_len - 1  # every token but the newest is in the KV cache

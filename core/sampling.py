@@ -69,8 +69,9 @@ class SequenceSampler:
         if self.sampling:
             self.generator = torch.Generator().manual_seed(seed if seed is not None else new_seed())
 
-    def process(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """The processed scores of one row ``[vocab]`` (float32)."""
+    def process(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The processed scores of one row ``[vocab]`` (float32). ``allowed`` is the grammar's mask
+        when the caller computed it (the engine does, for the whole batch at once)."""
         scores = logits.float()
         p = self.params
         if (p.repetition_penalty not in (None, 1.0)) or p.frequency_penalty:
@@ -91,7 +92,7 @@ class SequenceSampler:
         for processor in self.processors:
             scores = processor(token_ids, scores)
         if self.matcher is not None:
-            scores = scores.masked_fill(~self.matcher.allowed(), -math.inf)
+            scores = torch.where(self.matcher.allowed() if allowed is None else allowed, scores, -math.inf)
         if self.sampling:
             scores = warp(scores, p)
         return scores
@@ -106,8 +107,8 @@ class SequenceSampler:
         counts = counts[: scores.shape[-1]].to(scores.dtype)
         return scores - (p.occurrence_penalty or 0.0) * counts - (p.presence_penalty or 0.0) * (counts > 0).to(scores.dtype)
 
-    def choose(self, token_ids: list[int], logits: torch.Tensor) -> Choice:
-        scores = self.process(token_ids, logits)
+    def choose(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> Choice:
+        scores = self.process(token_ids, logits, allowed)
         logprobs = torch.log_softmax(scores, dim=-1)
         if self.sampling:
             probs = logprobs.exp()
