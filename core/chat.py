@@ -1,8 +1,8 @@
 """Chat prompts and tool calls for the OpenAI routes.
 
 A chat request becomes one prompt through the tokenizer's chat template. Tools are
-shown to the model (through the template when it knows tools, else in a system
-message) and its output is held to a grammar: a call is a JSON object
+shown to the model in a system message that also says how to call them (and through
+the template too when it knows tools), and its output is held to a grammar: a call is a JSON object
 ``{"name": ..., "arguments": {...}}`` valid for one of the offered tools; with
 ``tool_choice`` ``auto`` the model may instead answer in plain text (text that does
 not start with ``{``).
@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.grammar import JSON_LAYOUT, Grammar, GrammarCompiler
+from tokenmill.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -117,7 +117,8 @@ def tools_to_offer(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], boo
         return tools, True
     if tool_choice == "required":
         return tools, False
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ChatError('`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     named = [t for t in tools if t.name == name]
@@ -138,11 +139,17 @@ def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 
 def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: bool) -> Grammar:
+    """The grammar of the output: a valid call of one of ``tools`` (or, when allowed, plain text)."""
+    for tool in tools:  # each schema alone first, so that a broken one is named
+        try:
+            compiler.json_schema(tool.parameters)
+        except GrammarError as error:
+            raise ChatError(f"`tools`: the parameters of {tool.name!r}: {error}") from None
     call = "%json " + json.dumps(tool_call_schema(tools))
     if not text_allowed:
         return compiler.lark(f"start: {call}\n")
-    # A plain answer is any text that does not open a JSON object, so the first character decides.
-    return compiler.lark(f"start: call | answer\ncall: {call}\nanswer: /[^{{\\s][\\s\\S]*/\n")
+    # A plain answer is any text that does not open a JSON object, so its first visible character decides.
+    return compiler.lark(f"start: call | answer\ncall: {call}\nanswer: /\\s*[^{{\\s][\\s\\S]*/\n")
 
 
 def tools_instruction(tools: list[Tool], text_allowed: bool) -> str:
@@ -163,11 +170,11 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
         messages = [_calls_as_text(m) for m in messages]
     kwargs: dict[str, Any] = {}
     if tools:
+        # Always say how to call, even to a template that knows tools: the grammar wants our format, not its own.
+        messages = _with_system_note(messages, tools_instruction(tools, text_allowed))
         if "tools" in template:
             kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                    "parameters": t.parameters}} for t in tools]
-        else:
-            messages = _with_system_note(messages, tools_instruction(tools, text_allowed))
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises on a bad conversation

@@ -407,7 +407,7 @@ class Engine:
         if self.pm is not None:
             for processors in self.pm.hook.tokenmill_logits_processors(parameters=request.parameters):
                 extra.extend(processors or [])
-        matcher = request.grammar.new_matcher() if request.grammar is not None else None
+        matcher = request.grammar.new_matcher(frozenset(self.eos_ids)) if request.grammar is not None else None
         sampler = SequenceSampler(request.sampling, seq.seed, extra, request.top_n_tokens, matcher, seq.prompt_len)
         return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer))
 

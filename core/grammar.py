@@ -58,7 +58,7 @@ class GrammarCompiler:
                 schema = json.loads(schema)
             except ValueError as error:
                 raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
-        if not isinstance(schema, (dict, bool)):
+        if not isinstance(schema, dict):
             raise GrammarError("the JSON schema must be an object")
         llguidance = _llguidance()
         try:
@@ -94,23 +94,28 @@ class Grammar:
     """llguidance's matcher at the grammar's start, never advanced itself."""
     vocab_size: int
 
-    def new_matcher(self) -> TokenMatcher:
-        """A fresh walk: a copy of the start state (a thousand times cheaper than compiling again)."""
-        return TokenMatcher(self.start.deep_copy(), self.vocab_size)
+    def new_matcher(self, end_ids: frozenset[int] = frozenset()) -> TokenMatcher:
+        """A fresh walk: a copy of the start state (a thousand times cheaper than compiling again).
+        ``end_ids`` are the tokens that end generation for this model (all may end a complete output)."""
+        return TokenMatcher(self.start.deep_copy(), self.vocab_size, end_ids)
 
 
 class TokenMatcher:
     """Where one sequence stands in its grammar: which tokens may come next, and accepting the chosen one."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, end_ids: frozenset[int] = frozenset()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.end_ids = end_ids
+        """llguidance knows one end token (the tokenizer's); a model may end with others too."""
 
     def allowed(self) -> torch.Tensor:
         """A bool tensor ``[vocab_size]``: True for each token the grammar accepts next."""
         return batch_allowed([self])[0]
 
     def accept(self, token_id: int) -> None:
+        if token_id in self.end_ids and self.matcher.is_accepting():
+            return  # the output is complete and generation ends here
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} broke the grammar: {self.matcher.get_error()}")
 
@@ -125,7 +130,11 @@ def batch_allowed(matchers: list[TokenMatcher]) -> torch.Tensor:
     bitmask = ll_torch.allocate_token_bitmask(len(matchers), vocab_size)
     for row, matcher in enumerate(matchers):
         ll_torch.fill_next_token_bitmask(matcher.matcher, bitmask, row)
-    return unpack_bitmask(bitmask, vocab_size)
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    for row, matcher in enumerate(matchers):
+        if matcher.end_ids and matcher.matcher.is_accepting():
+            allowed[row, list(matcher.end_ids)] = True
+    return allowed
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

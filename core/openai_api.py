@@ -76,20 +76,23 @@ def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) ->
     temperature = _field(body, "temperature", "number")
     if temperature is not None and not 0 <= temperature <= 2:
         raise ValidationError(f"`temperature` must be between 0 and 2, got {temperature}")
-    if temperature is None or temperature > 0:
+    greedy = temperature == 0
+    if not greedy:
         params["do_sample"] = True
         if temperature not in (None, 1):
             params["temperature"] = temperature
     top_p = _field(body, "top_p", "number")
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValidationError(f"`top_p` must be > 0 and <= 1, got {top_p}")
-        if top_p < 1:
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValidationError(f"`top_p` must be > 0 and <= 1, got {top_p}")
+    top_k = _field(body, "top_k", "integer")
+    if not greedy:  # truncation would turn sampling back on
+        if top_p is not None and top_p < 1:
             params["top_p"] = top_p
-    for name, tgi_name in (("seed", "seed"), ("top_k", "top_k")):
-        value = _field(body, name, "integer")
-        if value is not None:
-            params[tgi_name] = value
+        if top_k is not None:
+            params["top_k"] = top_k
+    seed = _field(body, "seed", "integer")
+    if seed is not None:
+        params["seed"] = seed % 2**64  # OpenAI takes any 64-bit integer
     for name, tgi_name in (("presence_penalty", "presence_penalty"), ("frequency_penalty", "occurrence_penalty"),
                            ("repetition_penalty", "repetition_penalty")):
         value = _field(body, name, "number")
@@ -140,7 +143,7 @@ class OpenAIJob:
     include_usage: bool
     logprobs: bool
     model: str
-    tools: bool = False
+    may_call_tool: bool = False
     """Whether the output may be a tool call (the route then parses it as one)."""
     echo: bool = False
     id: str = field(default_factory=lambda: secrets.token_hex(12))
@@ -171,7 +174,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         offered, text_allowed = tools_to_offer(tools, body.get("tool_choice"))
         prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed)
         grammar = tool_grammar(validator.grammars, offered, text_allowed) if offered else None
-    except (ChatError, GrammarError) as error:
+    except ChatError as error:
         raise ValidationError(str(error)) from None
     params = sampling_parameters(body, None)
     response_format = _field(body, "response_format", "object")
@@ -179,7 +182,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         if grammar is not None:
             raise ValidationError("`response_format` and `tools` cannot constrain the same output; "
                                   'send one of them (or `tool_choice: "none"`)')
-        params["grammar"] = _response_format_grammar(response_format)
+        params["grammar"] = _response_format_grammar(validator, response_format)
     logprobs = bool(_field(body, "logprobs", "boolean"))
     top_logprobs = _field(body, "top_logprobs", "integer")
     if top_logprobs is not None:
@@ -193,10 +196,10 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
     n = choice_count(body, config.max_client_batch_size)
     request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
                                  grammar=grammar)
-    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, model, tools=bool(offered))
+    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, model, may_call_tool=bool(offered))
 
 
-def _response_format_grammar(response_format: dict[str, Any]) -> dict[str, Any]:
+def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> dict[str, Any]:
     kind = response_format.get("type")
     if kind == "json_object":
         return {"type": "json", "value": {"type": "object"}}
@@ -204,6 +207,10 @@ def _response_format_grammar(response_format: dict[str, Any]) -> dict[str, Any]:
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ValidationError("`response_format.json_schema` must be an object with `name` and `schema`")
+        try:  # compiled here, so that a broken schema is named by its field
+            validator.grammars.json_schema(spec["schema"])
+        except GrammarError as error:
+            raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
         return {"type": "json", "value": spec["schema"]}
     raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema", got {kind!r}')
 
@@ -270,7 +277,7 @@ def chat_logprob(token: TokenInfo, top: list[TokenInfo]) -> dict[str, Any]:
 
 
 def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], ToolCall | None]:
-    call = parse_tool_call(result.generated_text) if job.tools else None
+    call = parse_tool_call(result.generated_text) if job.may_call_tool else None
     if call is not None:
         return {"role": "assistant", "content": None, "tool_calls": [call.as_json()]}, call
     return {"role": "assistant", "content": without_stop(result.generated_text, stops)}, None
@@ -319,7 +326,7 @@ def completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any
                 logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         choices.append({"index": index, "text": (request.inputs if job.echo else "") + text,
                         "logprobs": logprobs, "finish_reason": finish_reason(result)})
-    prompt_tokens = sum(len(r.input_ids) for r in job.requests) * job.n
+    prompt_tokens = sum(len(r.input_ids) for r in job.requests)
     return {**job.common("text_completion"), "choices": choices,
             "usage": usage_json(prompt_tokens, sum(r.generated_tokens for r in results))}
 
@@ -359,14 +366,19 @@ class ChoiceStream:
         self.job, self.index, self.chat = job, index, chat
         self.request = job.requests[index // job.n]
         self.holdback = StopHoldback(self.request.stop)
-        self.buffering = job.tools
+        self.buffering = job.may_call_tool
         """A tool call is sent whole at the end; text answers stream once the first character shows it is text."""
         self.buffered = ""
+        self.offset = 0
+        """Characters of this choice's text sent so far (completions' ``text_offset``)."""
 
     def opening(self) -> dict[str, Any] | None:
-        if not self.chat:
-            return None
-        return self._chunk({"role": "assistant", "content": ""}, None, None)
+        if self.chat:
+            return self._chunk({"role": "assistant", "content": ""}, None, None)
+        if self.job.echo:
+            self.offset = len(self.request.inputs)
+            return self._text_chunk(self.request.inputs, None, None)
+        return None
 
     def on_token(self, event: TokenEvent) -> list[dict[str, Any]]:
         token = event.token
@@ -408,7 +420,9 @@ class ChoiceStream:
     def _logprobs(self, event: TokenEvent) -> Any:
         if self.chat:
             return {"content": [chat_logprob(event.token, event.top_tokens)]}
-        return completion_logprobs([event.token], [event.top_tokens], 0)
+        logprobs = completion_logprobs([event.token], [event.top_tokens], self.offset)
+        self.offset += len(event.token.text)
+        return logprobs
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -471,7 +485,7 @@ class OpenAIStream:
     def closing(self) -> list[dict[str, Any]]:
         if not self.job.include_usage:
             return []
-        prompt_tokens = sum(len(r.input_ids) for r in self.job.requests) * self.job.n
+        prompt_tokens = sum(len(r.input_ids) for r in self.job.requests)
         kind = "chat.completion.chunk" if self.choices[0].chat else "text_completion"
         return [{**self.job.common(kind), "choices": [], "usage": usage_json(prompt_tokens, self.completion_tokens)}]
 

@@ -409,11 +409,15 @@ class Generation:
         slot = self.state.take_slot()
         request_id = next(self.state.request_ids)
         channel = Channel()
+        seqs: list[Sequence] = []
         try:
             self.started(request_id, job.requests[0])
-            seqs = [engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed, backlog=channel.backlog)
-                    for i, (request, seed) in enumerate(job.sequences())]
+            for i, (request, seed) in enumerate(job.sequences()):
+                seqs.append(engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed,
+                                          backlog=channel.backlog))
         except BaseException:
+            for seq in seqs:
+                engine.cancel(seq)
             slot.release()
             raise
         for seq in seqs:

@@ -159,7 +159,8 @@ def validate_generate(
         try:
             grammar = grammar_from_parameter(grammars, params["grammar"])
         except GrammarError as error:
-            raise ValidationError(str(error)) from None
+            message = str(error)
+            raise ValidationError(message if message.startswith("`grammar") else f"`grammar`: {message}") from None
     priority = params.get("priority", "normal")
     if priority not in PRIORITY_CLASSES:
         raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")

@@ -84,11 +84,20 @@ def test_n_choices_are_separate_sequences_and_seeded_choices_repeat(client):
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
     assert len({c.message.content for c in first.choices}) > 1
     assert first.usage.completion_tokens == 24
+    single = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=1)
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once, as OpenAI counts it
     streamed = list(client.chat.completions.create(model="any", messages=QUESTION, max_tokens=8, n=3, seed=7,
                                                    stream=True))
     texts = ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
              for i in range(3)]
     assert texts == [c.message.content for c in first.choices]
+
+
+def test_temperature_zero_is_greedy_whatever_top_p_and_top_k_say(client):
+    greedy = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=8, temperature=0)
+    truncated = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=8, temperature=0,
+                                               top_p=0.5, extra_body={"top_k": 3})
+    assert truncated.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_n_above_the_client_batch_limit_is_refused_naming_n(client):
@@ -201,6 +210,9 @@ def test_completions_take_a_list_of_prompts_with_n_each_and_echo(client, tiny_se
         assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
     echoed = client.completions.create(model="any", prompt=prompts[0], max_tokens=5, temperature=0, echo=True)
     assert echoed.choices[0].text == prompts[0] + expected[0]
+    streamed = client.completions.create(model="any", prompt=prompts[0], max_tokens=5, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompts[0] + expected[0]
     assert reply.object == "text_completion" and reply.usage.completion_tokens == 20
 
 
@@ -214,9 +226,14 @@ def test_completions_default_to_16_tokens_and_stream(client):
 @pytest.mark.parametrize("field, value", [
     ("temperature", "hot"), ("max_tokens", "ten"), ("messages", "hello"), ("stop", 3), ("n", 1.5),
     ("top_logprobs", 3), ("response_format", "json"), ("tools", {"name": "x"}), ("stream", "yes"),
+    ("tool_choice", {"type": "function", "function": "get_weather"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
 ])
 def test_a_field_of_the_wrong_type_is_a_422_that_names_it(tiny_server, field, value):
     body = {"messages": QUESTION, "max_tokens": 2, field: value}
+    if field == "tool_choice":
+        body["tools"] = [WEATHER]
     with tiny_server.client() as http:
         response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 422, response.text
