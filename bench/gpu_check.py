@@ -1,10 +1,14 @@
-"""GPU check: paged and flash against transformers on a ~1B random-weight Llama, then tokens/s per backend.
+"""GPU check: paged and flash against transformers on a ~1B random-weight Llama, then tokens/s per backend,
+then each quantizer.
 
 Nothing is downloaded: the model has random weights and the tokenizer is built in
 code. Part 1 checks, in float32, that every backend gives model.generate()'s greedy
 tokens for 8 prompts of different lengths (joining one running batch). Part 2 times
-bfloat16 decoding at batch 1, 32 and 128. ``--tiny`` runs the same on a small model
-(on CPU, to check the script itself). Run through bench/gpu_check.sh.
+bfloat16 decoding at batch 1, 32 and 128. Part 3 loads the model through each
+quantizer that can run there (GPTQ and AWQ from checkpoints packed here, rounded to
+nearest) and reports its weight memory, tokens/s at batch 32 and top-1 agreement with
+bfloat16; a quantizer that fails is reported, not fatal. ``--tiny`` runs the same on a
+small model (on CPU, to check the script itself). Run through bench/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -152,6 +156,69 @@ def throughput(config, tokenizer, device, backends, block_size: int, batches: li
         print(f"{batch:>6} " + " ".join(f"{v:>13.0f}" for v in row))
 
 
+QUANTIZERS = ("int8", "int4", "gptq", "awq", "fp8", "bitsandbytes", "bitsandbytes-nf4")
+
+
+def quantizers(config, tokenizer, device, batch: int, new_tokens: int) -> None:
+    """Part 3: each quantizer's weight memory, speed and agreement with the unquantized model (bfloat16)."""
+    import tempfile
+
+    from tokenmill.loading import load_model
+    from tokenmill.plugins import choose
+    from tokenmill.quant_linears import weight_bytes, write_packed_checkpoint
+    from tokenmill.startup import choose_quantizer
+    from tokenmill_plugins.quantizers import awq, gptq
+
+    pm = build_plugin_manager(autoload=False)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (128,), generator=generator).tolist() for _ in range(batch)]
+    probe = torch.tensor([prompts[0][:64]], device=device)
+    print(f"\nquantizers, bfloat16 compute, batch {batch}, prompts of 128 tokens, {new_tokens} new tokens")
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "model"
+        make_model(config, torch.float32, "cpu").save_pretrained(source)
+        tokenizer.save_pretrained(source)
+        group = 128 if config.hidden_size % 128 == 0 else 64
+        packed = {
+            "gptq": write_packed_checkpoint(source, Path(scratch) / "gptq", gptq.pack, {
+                "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False}),
+            "awq": write_packed_checkpoint(source, Path(scratch) / "awq", awq.pack, {
+                "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}),
+        }
+        reference = None
+        for method in (None, *QUANTIZERS):
+            name = method or "bfloat16"
+            try:
+                if method is not None:
+                    choose(pm, "quantizer", method)  # unavailable here: say why and go on
+                path = packed.get(method, source)
+                flag = None if method in packed else method
+                loaded = load_model(str(path), None, "bfloat16", "sdpa",
+                                    pick_quantizer=lambda p, flag=flag: choose_quantizer(pm, flag, p))
+                with torch.no_grad():
+                    top = loaded.model(probe).logits[0].argmax(-1)
+                reference = top if reference is None else reference
+                agreement = (top == reference).float().mean().item()
+                engine = build_engine(loaded.model, loaded.tokenizer, backend="paged", ignore_eos=True,
+                                      max_batch_total_tokens=batch * (128 + new_tokens + 64),
+                                      max_batch_prefill_tokens=8192)
+                run_all(engine, [[5] * 16], 2)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                run_all(engine, prompts, new_tokens)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                speed = batch * new_tokens / (time.perf_counter() - started)
+                print(f"{name:<18} {weight_bytes(loaded.model) / 2**20:>8.0f} MB {speed:>9.0f} tokens/s  "
+                      f"top-1 agreement {agreement:.3f}")
+                del engine, loaded
+            except Exception as error:  # noqa: BLE001 - report and check the next quantizer
+                print(f"{name:<18} failed: {type(error).__name__}: {str(error)[:200]}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a small model, for checking the script on CPU")
@@ -167,6 +234,7 @@ def main() -> int:
     started = time.perf_counter()
     ok = check_equality(config, tokenizer, device, backends, args.block_size)
     throughput(config, tokenizer, device, backends, args.block_size, args.batches, args.new_tokens)
+    quantizers(config, tokenizer, device, 32, min(args.new_tokens, 64))
     print(f"\n{'PASS' if ok else 'FAIL'}: greedy equality; total {time.perf_counter() - started:.0f}s")
     return 0 if ok else 1
 

@@ -2,7 +2,9 @@
 # One prepared GPU check for a single H200 (or any CUDA GPU), within 8 minutes:
 #   - a ~1B-parameter random-weight Llama (no download: nothing outside can be reached there),
 #   - paged and flash against transformers and model.generate(): identical greedy tokens (float32),
-#   - tokens/s per backend at batch 1, 32 and 128 (bfloat16).
+#   - tokens/s per backend at batch 1, 32 and 128 (bfloat16),
+#   - each quantizer (int8, int4, gptq, awq, fp8, bitsandbytes int8 and nf4): weight memory, tokens/s at
+#     batch 32, top-1 agreement with bfloat16. Carry a bitsandbytes wheel in .whl/ for those two.
 # Python packages the machine lacks travel as wheels in .whl/ (see the device tool's README); the
 # script installs them and tokenmill into /tmp first. The H200 image has torch, tokenizers,
 # safetensors, huggingface-hub and pluggy but an older transformers, so carry at least

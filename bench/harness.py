@@ -215,11 +215,12 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "grammar"], default="quick",
+    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "grammar", "quant"], default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
                         + "; mixed: long and short requests under the fifo and priority schedulers"
-                        + "; grammar: the cost per token of a JSON-schema constraint, on the engine")
+                        + "; grammar: the cost per token of a JSON-schema constraint, on the engine"
+                        + "; quant: each quantizer's memory, speed and quality on SmolLM2, on the engine")
     parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
     parser.add_argument("--setup-peers", action="store_true",
@@ -242,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         from bench import grammar
 
         return grammar.main(rest)
+    if args.scenario == "quant":
+        from bench import quant
+
+        return quant.main(rest)
     if args.scenario == "mixed":
         from bench import mixed
 

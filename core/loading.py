@@ -42,6 +42,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     stages: list[dict[str, Any]] = field(default_factory=list)
+    quantization: str | None = None
+    """The quantizer that loaded or quantized the weights, or None."""
 
 
 StageObserver = Callable[[str, float, str], None]
@@ -177,8 +179,10 @@ def load_model(
     attn_implementation: str,
     trust_remote_code: bool = False,
     stages: Stages | None = None,
+    pick_quantizer: Callable[[Path], Any] | None = None,
 ) -> LoadedModel:
-    """Resolve, convert when needed, and load the model and tokenizer."""
+    """Resolve, convert when needed, and load the model and tokenizer. ``pick_quantizer(path)``
+    names the quantizer plugin for the checkpoint (None: full precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
@@ -189,13 +193,23 @@ def load_model(
         path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
     device = pick_device()
     dtype = pick_dtype(dtype_name, device)
+    quantizer = pick_quantizer(path) if pick_quantizer else None
 
     def load() -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-        )
-        return tokenizer, model.to(device).eval()
+        model = quantizer.load(path, dtype, device, attn_implementation, trust_remote_code) if quantizer else None
+        if model is None:
+            extra = quantizer.from_pretrained_kwargs(dtype, device) if quantizer else {}
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                **extra)
+            if getattr(model, "hf_quantizer", None) is None:  # transformers places quantized models itself
+                model = model.to(device)
+        return tokenizer, model.eval()
 
     tokenizer, model = stages.run("loading weights", load, detail=f"{path} ({dtype}, {device})")
-    return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done)
+    if quantizer is not None:
+        done = stages.run("quantizing", lambda: quantizer.quantize(model), detail=quantizer.name)
+        log.info("quantized with %s: %s", quantizer.name, done or "as loaded")
+    return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done,
+                       quantizer.name if quantizer else None)

@@ -25,6 +25,11 @@ BUILTIN_PLUGINS = (
     "tokenmill_plugins.schedulers.priority",
     "tokenmill_plugins.kv.dynamic",
     "tokenmill_plugins.kv.paged",
+    "tokenmill_plugins.quantizers.weight_only",
+    "tokenmill_plugins.quantizers.gptq",
+    "tokenmill_plugins.quantizers.awq",
+    "tokenmill_plugins.quantizers.bitsandbytes",
+    "tokenmill_plugins.quantizers.fp8",
 )
 
 AUTO_BACKENDS = ("flash", "paged", "transformers")
@@ -36,6 +41,7 @@ KIND_HOOKS = {
     "attention": "tokenmill_attention_kernels",
     "scheduler": "tokenmill_schedulers",
     "kv_allocator": "tokenmill_kv_allocators",
+    "quantizer": "tokenmill_quantizers",
 }
 
 
@@ -98,7 +104,7 @@ def list_all(pm: pluggy.PluginManager) -> list[Offered]:
 def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
     """The implementation of ``kind`` called ``name``, or a PluginError listing the choices."""
     candidates = offered(pm, kind)
-    flag = "--" + kind.replace("_", "-")
+    flag = "--quantize" if kind == "quantizer" else "--" + kind.replace("_", "-")
     names = ", ".join(sorted({impl.name for impl, _ in candidates} | ({"auto"} if kind == "backend" else set())))
     for implementation, _source in candidates:
         if implementation.name == name:

@@ -577,6 +577,7 @@ class InfoRoute:
             "model_id": loaded.model_id if loaded else config.model_id,
             "model_sha": None,
             "model_dtype": str(loaded.dtype).replace("torch.", "") if loaded else config.dtype,
+            "quantize": loaded.quantization if loaded else config.quantize,
             "model_device_type": loaded.device.type if loaded else None,
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": config.max_concurrent_requests,

@@ -20,7 +20,8 @@ from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose_all
+from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all
+from tokenmill.quant_linears import read_quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,22 @@ class Started:
     """Rows of the model's input embeddings: token ids must stay below it."""
 
 
+def choose_quantizer(pm: pluggy.PluginManager, requested: str | None, path: Any) -> Any:
+    """``--quantize``'s plugin, or the one for the checkpoint's own ``quant_method`` (as TGI does); None for neither."""
+    found = read_quantization_config(path) if path.is_dir() else None
+    method = (found or {}).get("quant_method")
+    if requested and method and requested != method:
+        raise ModelLoadError(f"--quantize {requested} was given, but the checkpoint is already quantized with {method}")
+    name = requested or method
+    if name is None:
+        return None
+    try:
+        return choose(pm, "quantizer", name)
+    except PluginError as error:
+        source = "" if requested else f"the checkpoint's quant_method {method!r}: "
+        raise ModelLoadError(f"{source}{error}") from None
+
+
 def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                  on_chosen: Callable[[Chosen], None] | None = None) -> Started:
     """Choose the plugins, load the model, size KV memory, resolve the limits and warm up.
@@ -44,8 +61,12 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                         config.block_size)
     # A paged backend routes attention itself once it runs; until then the model loads with sdpa.
     attention = chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
-    loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code, stages)
+    loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code, stages,
+                        pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
     chosen = fit_backend(pm, config, chosen, loaded.model)
+    refusal = kv_cache_refusal(config, chosen, loaded.device.type)
+    if refusal:
+        raise ModelLoadError(refusal)
     if on_chosen:
         on_chosen(chosen)
     if config.prepack_weights and packing_unavailable_reason(loaded.model) is None:
@@ -69,7 +90,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     if context and config.max_total_tokens > context:
         log.warning("--max-total-tokens %d exceeds the model's context of %d positions",
                     config.max_total_tokens, context)
-    kv_store = chosen.kv_allocator.create(model_config, loaded.dtype, loaded.device,  # type: ignore[attr-defined]
+    kv_store = chosen.kv_allocator.create(model_config, kv_dtype(config, loaded), loaded.device,  # type: ignore[attr-defined]
                                           config.max_batch_total_tokens, chosen.block_size)
     runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)  # type: ignore[attr-defined]
     queue = chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
@@ -129,6 +150,24 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_cache_refusal(config: Config, chosen: Chosen, device_type: str) -> str | None:
+    """Why ``--kv-cache-dtype`` cannot be honoured with these plugins on this device, or None."""
+    if config.kv_cache_dtype in (None, "auto"):
+        return None
+    if device_type != "cuda":
+        return f"--kv-cache-dtype {config.kv_cache_dtype} needs CUDA (float8 caches are for GPUs; CPU keeps the model's dtype)"
+    if chosen.backend.kv_layout != "paged" or chosen.attention.name != "sdpa":  # type: ignore[attr-defined]
+        return (f"--kv-cache-dtype {config.kv_cache_dtype} needs the paged layout with --attention sdpa "
+                f"(flash-attn reads float16 and bfloat16 caches only); got --backend {chosen.backend.name} "
+                f"--attention {chosen.attention.name}")
+    return None
+
+
+def kv_dtype(config: Config, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's dtype: the model's, or float8 with ``--kv-cache-dtype fp8_e4m3fn``."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3fn" else loaded.dtype
+
+
 def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> int:
     """How many positions the KV pool holds when --max-batch-total-tokens is not given:
     the memory left after loading, within the configured fraction."""
@@ -137,7 +176,7 @@ def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> in
         budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
     else:
         budget = available_memory_bytes() * config.kv_memory_fraction
-    per_token = bytes_per_token(model_config, loaded.dtype)
+    per_token = bytes_per_token(model_config, kv_dtype(config, loaded))
     context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
     tokens = int(max(0, budget) // per_token)
     ceiling = 64 * (config.max_total_tokens or context)  # enough for 64 full-length sequences

@@ -36,7 +36,8 @@ def test_every_hookspec_has_a_docstring_saying_when_what_and_returns():
 def test_builtin_implementations_of_each_kind_are_listed():
     rows = {(r.kind, r.name): r for r in list_all(build_plugin_manager(autoload=False))}
     for key in [("backend", "transformers"), ("attention", "sdpa"), ("attention", "eager"),
-                ("scheduler", "fifo"), ("scheduler", "priority"), ("kv_allocator", "dynamic")]:
+                ("scheduler", "fifo"), ("scheduler", "priority"), ("kv_allocator", "dynamic"),
+                ("quantizer", "int8"), ("quantizer", "int4"), ("quantizer", "gptq"), ("quantizer", "awq")]:
         assert key in rows and rows[key].unavailable_reason is None
         assert rows[key].source.startswith("tokenmill_plugins.")
 

@@ -163,6 +163,8 @@ class SdpaAttention(AttentionKernel):
         sequences, longest_query, context = plan["shape"]
         keys = self._gather("keys", key_cache, plan["blocks"]).view(sequences, context, kv_heads, head_dim)
         values = self._gather("values", value_cache, plan["blocks"]).view(sequences, context, kv_heads, head_dim)
+        if keys.dtype != query.dtype:  # a float8 pool (--kv-cache-dtype): attend in the model's dtype
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
         queries = query if decode else query.index_select(0, plan["query_index"])
         queries = queries.view(sequences, longest_query, -1, head_dim).transpose(1, 2)
         half_on_cpu = query.dtype != torch.float32 and query.device.type == "cpu"

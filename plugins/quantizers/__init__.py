@@ -1,0 +1,1 @@
+"""Built-in quantizer plugins: one module per format."""
