@@ -57,6 +57,9 @@ class Int4Linear(nn.Module):
         scales = scales.float()
         offsets = -zeros.float() * scales
         if self.tinygemm:
+            if group_size not in (32, 64, 128, 256) or self.in_features % 32:
+                raise ValueError(f"tinygemm runs groups of 32, 64, 128 or 256 over inputs divisible by 32; this layer "
+                                 f"has {self.in_features} inputs in groups of {group_size}")
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
             packed = torch.ops.aten._convert_weight_to_int4pack(
                 ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8), inner_k_tiles)
@@ -71,8 +74,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.register_buffer("input_order", input_order)
 
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight ``[out, in]`` in the compute dtype (CPU layout)."""
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in the compute dtype, rebuilt from the codes (CPU layout)."""
         groups = self.in_features // self.group_size
         codes = nn.functional.embedding(self.packed.int(), NIBBLE_VALUES.to(self.packed.device))
         codes = codes.view(self.out_features, groups, self.group_size)
@@ -90,7 +93,7 @@ class Int4Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = nn.functional.linear(rows.to(self.compute_dtype), self.weight(), self.bias).to(x.dtype)
+            out = nn.functional.linear(rows.to(self.compute_dtype), self.dequantized_weight(), self.bias).to(x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -103,7 +106,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
     (zero points at least ``lowest_zero``: GPTQ's format cannot store 0)."""
     out_features, in_features = weight.shape
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(-1), groups.amax(-1)
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)  # the range holds 0, as GPTQ/AWQ's do
     scales = ((high - low) / 15).clamp(min=1e-8)
     zeros = torch.round(-low / scales).clamp(lowest_zero, 15)
     codes = torch.round(groups / scales.unsqueeze(-1) + zeros.unsqueeze(-1)).clamp(0, 15)

@@ -37,8 +37,11 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise NotImplementedError("attention logit soft-capping and sinks are not supported by the paged backend")
     key_cache, value_cache = paged_step.pool.layer(module.layer_idx)
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if key_cache.dtype == torch.float8_e4m3fn:  # casting saturates nothing: |x| >= 480 would become NaN
+        key, value = key.clamp(-448, 448), value.clamp(-448, 448)
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value.to(value_cache.dtype))
     scale = scaling if scaling is not None else head_dim**-0.5
     out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
                                             sliding_window)

@@ -50,6 +50,7 @@ def pack(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
 
 
 def layer(tensors: dict[str, torch.Tensor], linear: nn.Linear, group_size: int, dtype: torch.dtype) -> Int4Linear:
+    group_size = group_size if group_size > 0 else linear.in_features  # -1: one group per output channel
     codes = unpack(tensors["qweight"]).t().contiguous()
     zeros = unpack(tensors["qzeros"]).t()
     return Int4Linear(codes, tensors["scales"].t().float(), zeros, group_size, tensors.get("bias"), dtype)

@@ -40,9 +40,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows, row_scales = _rowwise(x.reshape(-1, self.in_features))
+        # Row-wise scaled float8 matmuls produce bfloat16 only; the bias and the model's dtype come after.
         out = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=row_scales, scale_b=self.weight_scales,
-                               bias=self.bias, out_dtype=self.out_dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+                               out_dtype=torch.bfloat16)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
 
 class Fp8Quantizer(Quantizer):

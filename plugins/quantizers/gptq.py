@@ -73,6 +73,7 @@ def pack(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
 
 
 def layer(tensors: dict[str, torch.Tensor], linear: nn.Linear, group_size: int, dtype: torch.dtype) -> Int4Linear:
+    group_size = group_size if group_size > 0 else linear.in_features  # -1: one group per output channel
     codes = unpack_rows(tensors["qweight"]).t()  # [out, in]
     zeros = (unpack_columns(tensors["qzeros"]) + 1).t()  # [out, groups]
     scales = tensors["scales"].t().float()

@@ -7,8 +7,8 @@ tied), since on a small model the 49k-row table is a fifth of the weights.
   rounded to 8 bits too, per token, and multiplied in integers (``torch._int_mm``), faster
   than float32 here; on CUDA the layers are weight-only (``_weight_int8pack_mm``).
 - ``int4``: round-to-nearest 4-bit codes with a scale and zero point per group of 128, 64
-  or 32 input channels (the largest that divides the layer), in PyTorch's packed int4
-  layout. A layer no group size divides stays as it is.
+  or 32 input channels (the largest that divides the layer): tinygemm on CUDA, rebuilt by
+  table lookup at each call on CPU. A layer no group size divides stays as it is.
 """
 
 from __future__ import annotations
