@@ -7,8 +7,10 @@ tokens for 8 prompts of different lengths (joining one running batch). Part 2 ti
 bfloat16 decoding at batch 1, 32 and 128. Part 3 loads the model through each
 quantizer that can run there (GPTQ and AWQ from checkpoints packed here, rounded to
 nearest) and reports its weight memory, tokens/s at batch 32 and top-1 agreement with
-bfloat16; a quantizer that fails is reported, not fatal. ``--tiny`` runs the same on a
-small model (on CPU, to check the script itself). Run through bench/gpu_check.sh.
+bfloat16; a quantizer that fails is reported, not fatal. Part 4 serves the model with
+``--num-shard 2`` (NCCL) and ``--num-shard 1`` and compares their greedy texts over HTTP.
+``--tiny`` runs the same on a small model (on CPU, to check the script itself). Run
+through bench/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -219,6 +221,67 @@ def quantizers(config, tokenizer, device, batch: int, new_tokens: int) -> None:
                 torch.cuda.empty_cache()
 
 
+def shards(config, tokenizer) -> None:
+    """Part 4: --num-shard 2 through the real server (NCCL on CUDA) against --num-shard 1: greedy text
+    over HTTP must match. Two ranks on one GPU may be refused by NCCL; the script says so and goes on."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    def generate(url: str, prompt: str) -> str:
+        body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": 16}}).encode()
+        request = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=120).read())["generated_text"]
+
+    print("\ntensor parallelism through the server (bfloat16, paged)")
+    prompts = [" ".join(f"w{i * 7 + j}" for j in range(20 + 9 * i)) for i in range(4)]
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "model"
+        make_model(config, torch.bfloat16, "cpu").save_pretrained(source)
+        tokenizer.save_pretrained(source)
+        outputs = {}
+        for count in (1, 2):
+            port = free_port()
+            command = [sys.executable, "-m", "tokenmill", "launch", "--model-id", str(source), "--server", "uvicorn",
+                       "--port", str(port), "--backend", "paged", "--num-shard", str(count),
+                       "--master-port", str(free_port()), "--max-total-tokens", "1024"]
+            log_path = Path(scratch) / f"shards-{count}.log"
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+            url = f"http://127.0.0.1:{port}"
+            try:
+                for _ in range(240):
+                    if process.poll() is not None:
+                        break
+                    try:
+                        if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                            break
+                    except Exception:  # noqa: BLE001 - not listening yet
+                        time.sleep(0.5)
+                if process.poll() is not None:
+                    print(f"--num-shard {count}: exited {process.returncode}: "
+                          + log_path.read_text()[-600:].replace("\n", " | "))
+                    continue
+                started = time.perf_counter()
+                outputs[count] = [generate(url, p) for p in prompts]
+                print(f"--num-shard {count}: {len(prompts)} requests in {time.perf_counter() - started:.1f}s")
+            finally:
+                process.terminate()
+                process.wait(30)
+        if len(outputs) == 2:
+            same = sum(a == b for a, b in zip(outputs[1], outputs[2]))
+            print(f"--num-shard 2 against 1: {same}/{len(prompts)} identical greedy texts (bfloat16)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a small model, for checking the script on CPU")
@@ -235,6 +298,7 @@ def main() -> int:
     ok = check_equality(config, tokenizer, device, backends, args.block_size)
     throughput(config, tokenizer, device, backends, args.block_size, args.batches, args.new_tokens)
     quantizers(config, tokenizer, device, 32, min(args.new_tokens, 64))
+    shards(model_config(tiny=True), tokenizer)  # the NCCL path is what is checked: a small model keeps it quick
     print(f"\n{'PASS' if ok else 'FAIL'}: greedy equality; total {time.perf_counter() - started:.0f}s")
     return 0 if ok else 1
 

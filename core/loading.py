@@ -160,6 +160,16 @@ def converted_gguf(gguf_path: Path) -> Path:
     return target
 
 
+def load_config_for_sharding(model_id: str | None, revision: str | None) -> tuple[Path, Any]:
+    """The checkpoint directory (a GGUF converted first) and its transformers config, for a shard."""
+    from transformers import AutoConfig
+
+    _, path = resolve(model_id, revision)
+    if path.suffix == ".gguf":
+        path = converted_gguf(path)
+    return path, AutoConfig.from_pretrained(path)
+
+
 def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

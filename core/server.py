@@ -21,7 +21,7 @@ import falcon
 import falcon.asgi
 import pluggy
 
-from tokenmill import __version__
+from tokenmill import __version__, sharding
 from tokenmill.config import Config
 from tokenmill.engine import Engine
 from tokenmill.http_body import ApiError, read_json
@@ -37,6 +37,7 @@ from tokenmill.openai_api import (
 )
 from tokenmill.plugins import Chosen, build_plugin_manager
 from tokenmill.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.sharding import ShardProcesses
 from tokenmill.startup import start_engine
 from tokenmill.validation import ValidationError, Validator, parse_body
 
@@ -69,6 +70,10 @@ class ServerState:
         self.loaded: LoadedModel | None = None
         self.validator: Validator | None = None
         self.engine: Engine | None = None
+        self.shards: ShardProcesses | None = None
+        """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
+        self.shard_failure: str | None = None
+        self.shards_stopping = False
         self.chosen: Chosen | None = None
         self.vocab_size = 0
         self.in_flight = 0
@@ -80,11 +85,43 @@ class ServerState:
     # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
 
     def load(self) -> None:
+        if self.config.num_shard > 1 and "RANK" not in os.environ:  # torchrun starts the other ranks itself
+            self.shards = ShardProcesses(self.config)
+            threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
         self.loaded, self.vocab_size = started.loaded, started.vocab_size
         self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size)
         started.engine.start()
         self.engine = started.engine
+
+    def _watch_shards(self) -> None:
+        """Start the other ranks, then watch them: a shard that ends ends the server. /health says 503 at
+        once, the process exits a moment later (exit status 3, which also stops gunicorn instead of
+        restarting the worker). The shards are started from this thread because it lives as long as
+        the process: Linux ends them when the thread that started them ends."""
+        assert self.shards is not None
+        self.shards.start()
+        while self.shard_failure is None and not self.shards_stopping:
+            ended = self.shards.first_exit()
+            if ended is not None:
+                rank, code = ended
+                self.shard_failure = f"shard {rank} of {self.config.num_shard} exited with status {code}"
+                log.error("%s; the server stops", self.shard_failure)
+                time.sleep(1.0)
+                self.shards.stop(timeout=2.0)
+                logging.shutdown()
+                os._exit(3)
+            time.sleep(0.2)
+
+    def stop_shards(self) -> None:
+        """Tell the shards to end (when the engine has stopped), then make sure they did."""
+        self.shards_stopping = True  # shards that now exit 0 are not a failure
+        if self.config.num_shard > 1 and self.engine is not None and self.shard_failure is None:
+            sender = threading.Thread(target=lambda: sharding.broadcast(sharding.STOP), daemon=True)
+            sender.start()
+            sender.join(5.0)
+        if self.shards is not None:
+            self.shards.stop()
 
     def _set_chosen(self, chosen: Chosen) -> None:
         self.chosen = chosen
@@ -99,6 +136,8 @@ class ServerState:
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
     def ready_engine(self) -> Engine:
+        if self.shard_failure is not None:
+            raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
         if self.engine is None:
             stage = self.stages.current or "starting"
             raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
@@ -578,6 +617,7 @@ class InfoRoute:
             "model_sha": None,
             "model_dtype": str(loaded.dtype).replace("torch.", "") if loaded else config.dtype,
             "quantize": loaded.quantization if loaded else config.quantize,
+            "num_shard": config.num_shard,
             "model_device_type": loaded.device.type if loaded else None,
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": config.max_concurrent_requests,
@@ -636,6 +676,7 @@ class Lifespan:
     async def process_shutdown(self, scope: Any, event: Any) -> None:
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.stop)
+        await asyncio.to_thread(self.state.stop_shards)
         self.state.tokenizer_thread.shutdown(wait=False)
 
 

@@ -13,14 +13,14 @@ from typing import Any, Callable
 import pluggy
 import torch
 
-from tokenmill import native_kernels
+from tokenmill import native_kernels, sharding
 from tokenmill.config import Config
 from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all
+from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
 from tokenmill.quant_linears import read_quantization_config
 
 log = logging.getLogger(__name__)
@@ -35,20 +35,27 @@ class Started:
     """Rows of the model's input embeddings: token ids must stay below it."""
 
 
+def _readers_of(pm: pluggy.PluginManager, method: str) -> list[str]:
+    return [impl.name for impl, _ in offered(pm, "quantizer") if getattr(impl, "checkpoint_method", None) == method]
+
+
 def choose_quantizer(pm: pluggy.PluginManager, requested: str | None, path: Any) -> Any:
     """``--quantize``'s plugin, or the one for the checkpoint's own ``quant_method`` (as TGI does); None for neither."""
     found = read_quantization_config(path) if path.is_dir() else None
     method = (found or {}).get("quant_method")
-    if requested and method and requested != method:
+    if requested and method and requested != method and requested not in _readers_of(pm, method):
         raise ModelLoadError(f"--quantize {requested} was given, but the checkpoint is already quantized with {method}")
-    name = requested or method
-    if name is None:
+    if requested is None and method is not None:  # the plugin that reads this checkpoint format
+        readers = _readers_of(pm, method)
+        if not readers:
+            raise ModelLoadError(f"the checkpoint is quantized with {method!r}, which no quantizer plugin reads")
+        requested = readers[0]
+    if requested is None:
         return None
     try:
-        return choose(pm, "quantizer", name)
+        return choose(pm, "quantizer", requested)
     except PluginError as error:
-        source = "" if requested else f"the checkpoint's quant_method {method!r}: "
-        raise ModelLoadError(f"{source}{error}") from None
+        raise ModelLoadError(str(error)) from None
 
 
 def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
@@ -61,8 +68,12 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                         config.block_size)
     # A paged backend routes attention itself once it runs; until then the model loads with sdpa.
     attention = chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
-    loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code, stages,
-                        pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
+    sharded = config.num_shard > 1
+    if sharded:
+        loaded = sharding.load_rank0_model(config, stages, attention)
+    else:
+        loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code,
+                            stages, pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
     chosen = fit_backend(pm, config, chosen, loaded.model)
     refusal = kv_cache_refusal(config, chosen, loaded.device.type)
     if refusal:
@@ -93,6 +104,12 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     kv_store = chosen.kv_allocator.create(model_config, kv_dtype(config, loaded), loaded.device,  # type: ignore[attr-defined]
                                           config.max_batch_total_tokens, chosen.block_size)
     runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)  # type: ignore[attr-defined]
+    if sharded:
+        runner = sharding.mirror_runner(runner, {
+            "backend": chosen.backend.name, "attention": chosen.attention.name,
+            "kv_allocator": chosen.kv_allocator.name, "block_size": chosen.block_size,
+            "max_tokens": config.max_batch_total_tokens, "kv_dtype": kv_dtype(config, loaded),
+            "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels})
     queue = chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_batch_total_tokens=config.max_batch_total_tokens,
@@ -174,8 +191,8 @@ def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> in
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
-    else:
-        budget = available_memory_bytes() * config.kv_memory_fraction
+    else:  # the ranks of --num-shard share this machine's RAM, each with a pool this size
+        budget = available_memory_bytes() * config.kv_memory_fraction / config.num_shard
     per_token = bytes_per_token(model_config, kv_dtype(config, loaded))
     context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
     tokens = int(max(0, budget) // per_token)
