@@ -188,10 +188,9 @@ def load_sharded(path: Path, shard: ShardSlice, config: Any, dtype: torch.dtype,
     if not sharded:
         raise ShardingError(f"no layer of {type(model).__name__} matched its tensor-parallel plan")
     state = {key: read(key) for key in where if key not in sharded}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-        missing = [key for key in missing if key != "lm_head.weight"]
     left = [key for key, tensor in model.named_parameters() if tensor.is_meta]
     if left or unexpected:
         raise ShardingError(f"the checkpoint does not fit the model: missing {left[:3]}, unexpected {unexpected[:3]}")
