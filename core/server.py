@@ -271,7 +271,8 @@ def timing_headers(resp: falcon.asgi.Response, request: GenerationRequest, resul
 
 
 class Generation:
-    """Runs validated requests through the engine for the generate routes."""
+    """Runs validated requests through the engine: TGI's generate routes and OpenAI's (whose parsing
+    and response shapes live in ``tokenmill.openai_api``), each holding one concurrency slot."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
