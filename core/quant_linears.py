@@ -113,6 +113,14 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
     return codes.reshape(out_features, in_features).to(torch.int32), scales, zeros
 
 
+def quantize_int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit codes of a 2-D tensor with one float32 scale per row (weights per output
+    channel, embeddings per token, activations per token)."""
+    scales = (tensor.float().abs().amax(dim=1) / 127).clamp(min=1e-8)
+    codes = torch.round(tensor.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
 class Int8Linear(nn.Module):
     """8-bit weights, one scale per output channel.
 
@@ -126,8 +134,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-8)
-        codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        codes, scales = quantize_int8_rows(weight)
         self.integer_matmul = weight.device.type == "cpu"
         # [out, in] like the float weight, so a tied embedding can share it (_int_mm reads the transpose as fast).
         self.register_buffer("codes", codes)
@@ -138,9 +145,8 @@ class Int8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if self.integer_matmul:
-            row_scales = (rows.abs().amax(dim=1, keepdim=True).float() / 127).clamp(min=1e-8)
-            quantized = torch.round(rows.float() / row_scales).to(torch.int8)
-            out = (torch._int_mm(quantized, self.codes.t()).float() * row_scales * self.scales).to(x.dtype)
+            quantized, row_scales = quantize_int8_rows(rows)
+            out = (torch._int_mm(quantized, self.codes.t()).float() * row_scales[:, None] * self.scales).to(x.dtype)
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         if self.bias is not None:
@@ -167,8 +173,7 @@ class Int8Embedding(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, padding_idx: int | None = None) -> Int8Embedding:
-        scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-8)
-        codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        codes, scales = quantize_int8_rows(weight)
         return cls(codes, scales, weight.dtype, padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
