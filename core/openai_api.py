@@ -23,7 +23,7 @@ from tokenmill import __version__
 from tokenmill.chat import ChatError, ToolCall, parse_messages, parse_tool_call, parse_tools, render_prompt, tool_grammar, tools_to_offer
 from tokenmill.grammar import GrammarError
 from tokenmill.http_body import ApiError, read_json
-from tokenmill.sequence import FINISH_LENGTH, ErrorEvent, FinalResult, GenerationRequest, TokenEvent, TokenInfo
+from tokenmill.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
 from tokenmill.validation import ValidationError, Validator
 
 MAX_TOP_LOGPROBS = 20
@@ -502,10 +502,6 @@ class ModelsRoute:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.media = {"object": "list", "data": [
             {"id": served_model(self.state), "object": "model", "created": int(time.time()), "owned_by": "tokenmill"}]}
-
-
-def error_event(event: ErrorEvent) -> dict[str, Any]:
-    return {"error": event.message, "error_type": event.error_type}
 
 
 async def sse_events(events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[falcon.asgi.SSEvent]:

@@ -105,6 +105,10 @@ class ErrorEvent:
     message: str
     error_type: str = "generation"
 
+    def as_json(self) -> dict[str, str]:
+        """TGI's error body, as a stream's last event carries it."""
+        return {"error": self.message, "error_type": self.error_type}
+
 
 Event = TokenEvent | ErrorEvent
 EventSink = Callable[[Event], None]

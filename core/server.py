@@ -32,7 +32,6 @@ from tokenmill.openai_api import (
     ModelsRoute,
     OpenAIJob,
     OpenAIStream,
-    error_event,
     sse_events,
 )
 from tokenmill.plugins import Chosen, build_plugin_manager
@@ -405,7 +404,7 @@ class Generation:
                     return
                 if isinstance(event, ErrorEvent):
                     error = event.message
-                    yield falcon.asgi.SSEvent(json={"error": event.message, "error_type": event.error_type})
+                    yield falcon.asgi.SSEvent(json=event.as_json())
                     return
                 yield falcon.asgi.SSEvent(json=self.stream_json(event, request))
                 channel.delivered += 1  # falcon asks for the next event once this one is sent
@@ -484,7 +483,7 @@ class Generation:
                 index, event = item
                 if isinstance(event, ErrorEvent):
                     error = event.message
-                    yield error_event(event)
+                    yield event.as_json()
                     return
                 for chunk in stream.on_event(index, event):
                     yield chunk
