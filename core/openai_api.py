@@ -21,7 +21,7 @@ import falcon.asgi
 
 from tokenmill import __version__
 from tokenmill.chat import ChatError, ToolCall, parse_messages, parse_tool_call, parse_tools, render_prompt, tool_grammar, tools_to_offer
-from tokenmill.grammar import GrammarError
+from tokenmill.grammar import Grammar, GrammarError
 from tokenmill.http_body import ApiError, read_json
 from tokenmill.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
 from tokenmill.validation import ValidationError, Validator
@@ -182,7 +182,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         if grammar is not None:
             raise ValidationError("`response_format` and `tools` cannot constrain the same output; "
                                   'send one of them (or `tool_choice: "none"`)')
-        params["grammar"] = _response_format_grammar(validator, response_format)
+        params["grammar"], grammar = _response_format_grammar(validator, response_format)
     logprobs = bool(_field(body, "logprobs", "boolean"))
     top_logprobs = _field(body, "top_logprobs", "integer")
     if top_logprobs is not None:
@@ -199,20 +199,23 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
     return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, model, may_call_tool=bool(offered))
 
 
-def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> dict[str, Any]:
+def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
+    """The response format as TGI's ``grammar`` parameter (what hooks see) and compiled, once, here,
+    so that a broken schema is named by its field."""
     kind = response_format.get("type")
     if kind == "json_object":
-        return {"type": "json", "value": {"type": "object"}}
-    if kind == "json_schema":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ValidationError("`response_format.json_schema` must be an object with `name` and `schema`")
-        try:  # compiled here, so that a broken schema is named by its field
-            validator.grammars.json_schema(spec["schema"])
-        except GrammarError as error:
-            raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
-        return {"type": "json", "value": spec["schema"]}
-    raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema", got {kind!r}')
+        schema = spec["schema"]
+    else:
+        raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema", got {kind!r}')
+    try:
+        return {"type": "json", "value": schema}, validator.grammars.json_schema(schema)
+    except GrammarError as error:
+        raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
 
 
 def parse_completion(validator: Validator, body: Any, model: str, priority: str | None) -> OpenAIJob:

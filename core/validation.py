@@ -155,7 +155,7 @@ def validate_generate(
     if decoder_input_details and stream:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
 
-    if params.get("grammar") is not None:
+    if grammar is None and params.get("grammar") is not None:  # a grammar the caller compiled is not compiled again
         try:
             grammar = grammar_from_parameter(grammars, params["grammar"])
         except GrammarError as error:
