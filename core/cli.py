@@ -14,7 +14,7 @@ import torch
 
 from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
-from tokenmill.loading import ModelLoadError, converted_gguf, resolve
+from tokenmill.loading import ModelLoadError, checkpoint_config, resolve
 from tokenmill.logs import setup_logging
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all, list_all
 from tokenmill.sharding import ShardingError
@@ -27,10 +27,9 @@ def preflight(config: Config) -> None:
     if config.quantize:
         choose(pm, "quantizer", config.quantize)
     if config.num_shard > 1:
-        from tokenmill.loading import load_config_for_sharding
         from tokenmill.sharding import plan_slice
 
-        _, model_config = load_config_for_sharding(config.model_id, config.revision)
+        _, model_config = checkpoint_config(config.model_id, config.revision)
         plan_slice(model_config, 0, config.num_shard)
         method = (getattr(model_config, "quantization_config", None) or {}).get("quant_method")
         if method:
@@ -159,19 +158,16 @@ def load_tokenizer_and_vocab_size(model_id: str | None, revision: str | None) ->
     The vocabulary size comes from the model's config, not the tokenizer: the green
     lists were drawn over the logits, which are often wider than the tokenizer.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    _, path = resolve(model_id, revision)
     try:
-        if path.suffix == ".gguf":
-            path = converted_gguf(path)  # the checkpoint the server loads too, converted once and cached
+        path, config = checkpoint_config(model_id, revision)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        vocab_size = AutoConfig.from_pretrained(path).vocab_size
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot load the tokenizer or config of {path}: {error}") from None
-    return tokenizer, vocab_size
+        raise ModelLoadError(f"cannot load the tokenizer or config of {model_id or 'the default model'}: {error}") from None
+    return tokenizer, config.vocab_size
 
 
 def watermark_detect(argv: Sequence[str]) -> int:

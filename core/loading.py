@@ -160,8 +160,9 @@ def converted_gguf(gguf_path: Path) -> Path:
     return target
 
 
-def load_config_for_sharding(model_id: str | None, revision: str | None) -> tuple[Path, Any]:
-    """The checkpoint directory (a GGUF converted first) and its transformers config, for a shard."""
+def checkpoint_config(model_id: str | None, revision: str | None) -> tuple[Path, Any]:
+    """The checkpoint directory (a GGUF converted first, once) and its transformers config, without
+    the weights: for shards, preflight checks and the watermark detector."""
     from transformers import AutoConfig
 
     _, path = resolve(model_id, revision)

@@ -288,7 +288,7 @@ def replay(runner: Any, message: tuple[Any, ...]) -> None:
 def run_shard(rank: int, world_size: int, config: Any) -> int:
     """A shard's life: join the group, load its slice, build the backend rank 0 describes, then replay
     every runner call rank 0 sends until it says stop (or the group breaks)."""
-    from tokenmill.loading import load_config_for_sharding, pick_device, pick_dtype
+    from tokenmill.loading import checkpoint_config, pick_device, pick_dtype
     from tokenmill.plugins import build_plugin_manager, choose_all
 
     die_with_parent()
@@ -297,7 +297,7 @@ def run_shard(rank: int, world_size: int, config: Any) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = torch.device("cuda", torch.cuda.current_device())
     init_group(rank, world_size, config.master_addr, config.master_port, device)
-    path, model_config = load_config_for_sharding(config.model_id, config.revision)
+    path, model_config = checkpoint_config(config.model_id, config.revision)
     shard = plan_slice(model_config, rank, world_size)
     dtype = pick_dtype(config.dtype, device)
     model = load_sharded(path, shard, model_config, dtype, device, "sdpa")
@@ -336,7 +336,7 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     """Rank 0's share of the model, as a LoadedModel: joins the group first (the shards wait for it)."""
     from transformers import AutoTokenizer
 
-    from tokenmill.loading import DEFAULT_MODEL_NAME, LoadedModel, load_config_for_sharding, pick_device, pick_dtype
+    from tokenmill.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device, pick_dtype
 
     device = pick_device()
     if device.type == "cuda":
@@ -345,7 +345,7 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     world_size = config.num_shard
     stages.run("joining shards", lambda: init_group(0, world_size, config.master_addr, config.master_port, device),
                detail=f"{world_size} shards at {config.master_addr}:{config.master_port}")
-    path, model_config = stages.run("resolving", lambda: load_config_for_sharding(config.model_id, config.revision),
+    path, model_config = stages.run("resolving", lambda: checkpoint_config(config.model_id, config.revision),
                                     detail=str(config.model_id or "default"))
     shard = plan_slice(model_config, 0, world_size)
     dtype = pick_dtype(config.dtype, device)
