@@ -49,10 +49,19 @@ def tiny_model(tiny_model_dir: Path):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now and not handed out before in this run: a test that takes two (a server's and
+    the shards' meeting port) must not get the same one twice before either is bound."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class RunningServer:
