@@ -23,7 +23,7 @@ from tokenmill.sharding import ShardingError
 def preflight(config: Config) -> None:
     """Fail before serving on what can be known without loading: plugin choices, model path."""
     pm = build_plugin_manager()
-    choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
+    chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
     if config.quantize:
         choose(pm, "quantizer", config.quantize)
     if config.num_shard > 1:
@@ -38,9 +38,11 @@ def preflight(config: Config) -> None:
         if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and torch.cuda.device_count() < config.num_shard:
             raise ConfigError(f"--num-shard {config.num_shard} needs a GPU per shard; this machine has "
                               f"{torch.cuda.device_count()}")
-    if config.kv_cache_dtype not in (None, "auto") and not torch.cuda.is_available():
-        raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype} needs CUDA "
-                          "(float8 caches are for GPUs; CPU keeps the model's dtype)")
+    from tokenmill.startup import kv_cache_refusal
+
+    refusal = kv_cache_refusal(config, chosen, "cuda" if torch.cuda.is_available() else "cpu")
+    if refusal:
+        raise ConfigError(refusal)
     resolve(config.model_id, config.revision)
 
 
