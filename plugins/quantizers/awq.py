@@ -69,9 +69,7 @@ class AwqQuantizer(PackedCheckpointQuantizer, Quantizer):
             raise ValueError("AWQ checkpoints without zero points are not supported")
         return int(config.get("group_size", config.get("q_group_size", 128)))
 
-    def layer(self, tensors: dict[str, torch.Tensor], linear: nn.Linear, group_size: int,
-              dtype: torch.dtype) -> Int4Linear:
-        return layer(tensors, linear, group_size, dtype)
+    layer = staticmethod(layer)
 
 
 @tokenmill.hookimpl

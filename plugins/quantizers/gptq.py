@@ -98,9 +98,7 @@ class GptqQuantizer(PackedCheckpointQuantizer, Quantizer):
             raise ValueError(f"GPTQ checkpoint format {config['checkpoint_format']!r} is not supported (only 'gptq')")
         return int(config.get("group_size", 128))
 
-    def layer(self, tensors: dict[str, torch.Tensor], linear: nn.Linear, group_size: int,
-              dtype: torch.dtype) -> Int4Linear:
-        return layer(tensors, linear, group_size, dtype)
+    layer = staticmethod(layer)
 
 
 @tokenmill.hookimpl
