@@ -116,7 +116,11 @@ class ServerState:
         """Tell the shards to end (when the engine has stopped), then make sure they did."""
         self.shards_stopping = True  # shards that now exit 0 are not a failure
         if self.config.num_shard > 1 and self.engine is not None and self.shard_failure is None:
-            sender = threading.Thread(target=lambda: sharding.broadcast(sharding.STOP), daemon=True)
+            def tell_and_leave() -> None:
+                sharding.broadcast(sharding.STOP)
+                sharding.leave_group()
+
+            sender = threading.Thread(target=tell_and_leave, daemon=True)
             sender.start()
             sender.join(5.0)
         if self.shards is not None:

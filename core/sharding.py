@@ -90,6 +90,13 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, d
     log.info("shard %d of %d joined the %s group at %s:%d", rank, world_size, backend, master_addr, master_port)
 
 
+def leave_group() -> None:
+    """Tear the process group down before the process exits: left to the interpreter's exit, gloo's
+    teardown races the other ranks' and sometimes aborts the process ("terminate called ...")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def column_parallel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     """A rank's output rows of a linear layer: a plain ``nn.Linear`` of its slice, no communication
     (and so packed for oneDNN on CPU like any other)."""
@@ -323,6 +330,7 @@ def run_shard(rank: int, world_size: int, config: Any) -> int:
     while True:
         message = broadcast(None)
         if message == STOP:
+            leave_group()
             return 0
         replay(runner, message)
 
