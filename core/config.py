@@ -50,7 +50,15 @@ class Config:
     hostname: str = "0.0.0.0"
     port: int = 3000
     payload_limit: int = 2_000_000
+    graceful_termination_timeout: int = 90
+    api_key: str | None = None
+    cors_allow_origin: str | None = None
     json_output: bool = False
+    log_prompts: bool = False
+    prometheus_port: int | None = None
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "tokenmill"
+    enable_profiling: bool = False
     backend: str = "auto"
     attention: str | None = None
     scheduler: str = "fifo"
@@ -99,6 +107,16 @@ class Config:
             raise ConfigError(f"--watermark-delta must be > 0 (got {self.watermark_delta})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535 (got {self.port})")
+        if self.prometheus_port is not None:
+            if not 0 < self.prometheus_port <= 65535:
+                raise ConfigError(f"--prometheus-port must be between 1 and 65535 (got {self.prometheus_port})")
+            if self.prometheus_port == self.port:
+                raise ConfigError(f"--prometheus-port ({self.prometheus_port}) must differ from --port: "
+                                  "/metrics is served on --port already")
+        if self.graceful_termination_timeout < 0:
+            raise ConfigError(f"--graceful-termination-timeout must be >= 0 (got {self.graceful_termination_timeout})")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype!r})")
         for name in ("kv_memory_fraction", "cuda_memory_fraction"):
@@ -196,7 +214,15 @@ _HELP = {
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
-    "json_output": "log as JSON lines",
+    "graceful_termination_timeout": "after SIGTERM: seconds in-flight requests may take to finish (/health and new requests say 503 meanwhile) before they are ended with an error",
+    "api_key": "require `Authorization: Bearer <key>` on every route but /health, /info and /metrics (401 otherwise)",
+    "cors_allow_origin": "origins allowed to call the API from a browser, comma-separated, or * (default: no CORS headers)",
+    "json_output": "log as JSON lines, each request's lines with its request id",
+    "log_prompts": "include prompt text in the request log lines and traces (off: prompts never reach the logs)",
+    "prometheus_port": "also serve /metrics on this port (default: only on --port)",
+    "otlp_endpoint": "send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. http://collector:4318 (needs tokenmill[otlp])",
+    "otlp_service_name": "service.name of the traces",
+    "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy; behind --api-key)",
     "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run)",
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",

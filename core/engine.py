@@ -22,7 +22,7 @@ import torch
 
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.grammar import batch_allowed
-from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
+from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget, StepOutput
 from tokenmill.sampling import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
 from tokenmill.sequence import (
     FINISH_EOS,
@@ -41,6 +41,9 @@ from tokenmill.sequence import (
 from tokenmill.watermark import WatermarkProcessor
 
 log = logging.getLogger(__name__)
+
+StepObserver = Callable[[str, int, float, float, bool], None]
+"""(method "prefill" or "decode", sequences in the step, forward seconds, whole step seconds, succeeded)."""
 
 
 @dataclass
@@ -92,6 +95,8 @@ class Engine:
         self.eos_ids = eos_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.pm = pm
+        self.step_observer: StepObserver | None = None
+        """Told about every step that runs the model (the server sets its metrics here after warm-up)."""
         self.running: list[Sequence] = []
         """Sequences that decode: their whole context is in the KV cache."""
         self.prefilling: list[Sequence] = []
@@ -269,12 +274,26 @@ class Engine:
             return
         prefilling = [s for s, _ in plan]
         chunks = [n for _, n in plan]
+        method = "prefill" if prefilling else "decode"
+        started = time.perf_counter()
         try:
             out = self.runner.step(prefilling, chunks, [wants_prompt_logits(s) for s in prefilling], decoding)
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
+            self._observe(method, len(plan) + len(decoding), started, started, ok=False)
             self._fail(prefilling + decoding, f"generation failed: {type(error).__name__}: {error}")
             return
+        forwarded = time.perf_counter()
+        self._sample(prefilling, chunks, decoding, out)
+        self._observe(method, len(plan) + len(decoding), started, forwarded, ok=out.prefill_error is None)
+
+    def _observe(self, method: str, batch_size: int, started: float, forwarded: float, ok: bool) -> None:
+        if self.step_observer is not None:
+            ended = time.perf_counter()
+            self.step_observer(method, batch_size, forwarded - started, ended - started, ok)
+
+    def _sample(self, prefilling: list[Sequence], chunks: list[int], decoding: list[Sequence], out: StepOutput) -> None:
+        """Sample the step's tokens from its logits and hand them to their sequences."""
         if decoding:
             assert out.decode_logits is not None
             self._advance(decoding, out.decode_logits)

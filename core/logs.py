@@ -1,10 +1,27 @@
-"""Logging: plain lines, or JSON lines with ``--json-output`` (gunicorn's own loggers included)."""
+"""Logging: plain lines, or JSON lines with ``--json-output`` (gunicorn's own loggers included).
+
+Every line written while a request is handled carries its id (``request_id`` in JSON). A record
+may carry structured ``fields`` (``extra={"fields": {...}}``), which JSON lines include whole.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from contextvars import ContextVar
 from typing import Any
+
+request_id_var: ContextVar[str | None] = ContextVar("tokenmill_request_id", default=None)
+"""The id of the request being handled in this context (set by the HTTP middleware)."""
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamps each record with the current request's id (None outside a request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get()
+        return True
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -17,9 +34,15 @@ class JsonFormatter(logging.Formatter):
             "target": record.name,
             "message": record.getMessage(),
         }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            entry["request_id"] = request_id
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry["fields"] = fields
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        return json.dumps(entry, default=str)
 
 
 def setup_logging(json_output: bool) -> None:
@@ -28,6 +51,7 @@ def setup_logging(json_output: bool) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter(PLAIN_FORMAT))
+    handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
@@ -40,7 +64,8 @@ def gunicorn_logconfig(json_output: bool) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"tokenmill": formatter},
-        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "tokenmill"}},
+        "filters": {"request_id": {"()": RequestIdFilter}},
+        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "tokenmill", "filters": ["request_id"]}},
         "root": {"level": "INFO", "handlers": ["console"]},
         "loggers": {
             "gunicorn.error": {"level": "INFO", "handlers": [], "propagate": True},

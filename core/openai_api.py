@@ -454,7 +454,7 @@ class OpenAIRoute:
         if job.stream:
             await generation.stream_openai(req, resp, job, OpenAIStream(job, self.chat))
             return
-        results = await generation.run_openai(req, job)
+        results = await generation.run_openai(req, resp, job)
         resp.media = chat_completion_json(job, results) if self.chat else completion_json(job, results)
 
 

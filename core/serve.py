@@ -1,22 +1,164 @@
-"""Running the ASGI app: gunicorn with one uvicorn worker (production) or uvicorn alone."""
+"""Running the ASGI app: gunicorn with one uvicorn worker (production) or uvicorn alone, both
+with the same graceful stop.
+
+SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate close: the listener stays open
+so that new requests get a 503 and /health says 503 (the load balancer takes the pod out), the
+requests in flight finish within ``--graceful-termination-timeout``, the rest are then ended with
+an error (a stream's last event), and the process exits 0. A second signal ends them at once.
+
+In the container, ``image/entrypoint.sh`` execs gunicorn with ``image/gunicorn.conf.py``, which
+takes its settings from :func:`gunicorn_options`, as ``tokenmill launch`` does.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from types import FrameType
 from typing import Any
 
-from tokenmill.config import Config
+import uvicorn
+from uvicorn_worker import UvicornWorker
+
+from tokenmill.config import Config, parse_config
 from tokenmill.logs import gunicorn_logconfig
-from tokenmill.server import create_app
+from tokenmill.server import ServerState, create_app
+
+log = logging.getLogger(__name__)
+
+ARGS_VARIABLE = "TOKENMILL_ARGS"
+"""The container's command-line flags, as a JSON list, from the entrypoint to gunicorn's worker."""
+
+SHUTDOWN_MARGIN_SECONDS = 15
+"""gunicorn waits this much longer than the drain before it kills the worker."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with tokenmill's graceful stop (see the module's docstring)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_task: asyncio.Task[None] | None = None
+        self.stop_now = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler records the signal to raise it again on exit (so the process would
+        # die of it): a drained server exits 0 instead. Signal handlers run on the loop's thread
+        # between its callbacks, so hand the work to the loop.
+        if self.loop is None:
+            self.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(self.on_signal, sig)
+
+    def on_signal(self, sig: int) -> None:
+        if self.drain_task is None:
+            log.info("%s: stopping gracefully", signal.Signals(sig).name)
+            self.drain_task = asyncio.ensure_future(self.drain_then_exit())
+        elif not self.stop_now.is_set():
+            log.info("%s again: ending the requests in flight now", signal.Signals(sig).name)
+            self.stop_now.set()
+        else:
+            self.force_exit = True
+
+    def end_now(self) -> None:
+        """gunicorn's fast shutdown (SIGQUIT): no grace period."""
+        self.stop_now.set()
+        if self.drain_task is None:
+            self.drain_task = asyncio.ensure_future(self.drain_then_exit())
+
+    async def drain_then_exit(self) -> None:
+        try:
+            await self.state.drain(self.state.config.graceful_termination_timeout, self.stop_now)
+        finally:
+            self.should_exit = True
+
+
+def uvicorn_config(app: Any, config: Config) -> uvicorn.Config:
+    return uvicorn.Config(app, host=config.hostname, port=config.port, log_config=None,
+                          timeout_graceful_shutdown=5, lifespan="on")
 
 
 def serve(config: Config) -> int:
     if config.server == "uvicorn":
-        import uvicorn
-
-        uvicorn.run(create_app(config), host=config.hostname, port=config.port, log_config=None,
-                    timeout_graceful_shutdown=30)
+        app = create_app(config)
+        DrainingServer(uvicorn_config(app, config), app.state).run()  # type: ignore[attr-defined]
         return 0
     return _serve_gunicorn(config)
+
+
+class TokenmillWorker(UvicornWorker):
+    """gunicorn's uvicorn worker running :class:`DrainingServer`."""
+
+    CONFIG_KWARGS = {"loop": "auto", "http": "auto", "lifespan": "on", "timeout_graceful_shutdown": 5}
+
+    async def _serve(self) -> None:
+        from gunicorn.arbiter import Arbiter
+
+        self.config.app = self.wsgi
+        server = DrainingServer(self.config, self.wsgi.state)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, server.end_now)
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
+
+
+def gunicorn_options(config: Config) -> dict[str, Any]:
+    """gunicorn's settings for ``config``: one worker owns the model; its heartbeat timeout only
+    catches a stuck event loop (loading and generating run in other threads); gunicorn's graceful
+    timeout outlasts the drain so that it never kills a draining worker."""
+    host = f"[{config.hostname}]" if ":" in config.hostname else config.hostname
+    return {
+        "bind": [f"{host}:{config.port}"],
+        "workers": 1,
+        "worker_class": "tokenmill.serve.TokenmillWorker",
+        "timeout": 120,
+        "graceful_timeout": config.graceful_termination_timeout + SHUTDOWN_MARGIN_SECONDS,
+        "keepalive": 75,  # longer than the usual load balancer idle timeout (60 s)
+        "accesslog": None,
+        "loglevel": "info",
+        "logconfig_dict": gunicorn_logconfig(config.json_output),
+        "when_ready": forward_second_sigterm,
+    }
+
+
+def forward_second_sigterm(arbiter: Any) -> None:
+    """gunicorn hook: a second SIGTERM to gunicorn reaches the worker (which then ends its requests
+    now); gunicorn itself ignores signals while it waits for its worker to stop."""
+    first = signal.getsignal(signal.SIGTERM)
+    stopping = False
+
+    def on_sigterm(sig: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            arbiter.kill_workers(signal.SIGTERM)
+            return
+        stopping = True
+        if callable(first):
+            first(sig, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def config_from_environment() -> Config:
+    """The configuration of a gunicorn-run server: environment variables, and the container's flags
+    in ``TOKENMILL_ARGS`` (raises ConfigError)."""
+    return parse_config(json.loads(os.environ.get(ARGS_VARIABLE) or "[]"))
+
+
+def app_from_environment() -> Any:
+    """gunicorn's app factory (``tokenmill.serve:app_from_environment()``), called in the worker
+    (logging is set up by gunicorn's ``logconfig_dict``)."""
+    return create_app(config_from_environment())
 
 
 def _serve_gunicorn(config: Config) -> int:
@@ -24,17 +166,7 @@ def _serve_gunicorn(config: Config) -> int:
 
     class TokenmillApplication(BaseApplication):  # type: ignore[misc]
         def load_config(self) -> None:
-            options: dict[str, Any] = {
-                "bind": f"[{config.hostname}]:{config.port}" if ":" in config.hostname else f"{config.hostname}:{config.port}",
-                "workers": 1,  # one process owns the model
-                "worker_class": "uvicorn_worker.UvicornWorker",
-                "timeout": 0,  # model loading and long generations are not hangs
-                "graceful_timeout": 30,
-                "accesslog": None,
-                "loglevel": "info",
-                "logconfig_dict": gunicorn_logconfig(config.json_output),
-            }
-            for key, value in options.items():
+            for key, value in gunicorn_options(config).items():
                 self.cfg.set(key, value)
 
         def load(self) -> Any:

@@ -9,7 +9,6 @@ engine thread pushes events into a per-request asyncio queue through
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -26,6 +25,8 @@ from tokenmill.config import Config
 from tokenmill.engine import Engine
 from tokenmill.http_body import ApiError, read_json
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.metrics import Metrics, serve_metrics
+from tokenmill.middleware import ApiKeyAuth, RequestContext, cors_middleware
 from tokenmill.openai_api import (
     ChatCompletionsRoute,
     CompletionsRoute,
@@ -35,9 +36,11 @@ from tokenmill.openai_api import (
     sse_events,
 )
 from tokenmill.plugins import Chosen, build_plugin_manager
+from tokenmill.profiling import ProfileRoute
 from tokenmill.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.sharding import ShardProcesses
 from tokenmill.startup import start_engine
+from tokenmill.telemetry import RequestRecord, Telemetry
 from tokenmill.validation import ValidationError, Validator, parse_body
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,10 @@ class ServerState:
         self.chosen: Chosen | None = None
         self.vocab_size = 0
         self.in_flight = 0
-        self.request_ids = itertools.count(1)
+        self.draining = False
+        """Set by SIGTERM: /health and new requests say 503 while those in flight finish."""
+        self.metrics = Metrics(self.live_snapshot)
+        self.telemetry = Telemetry(self.metrics, log_prompts=config.log_prompts)
         # Tokenizing a long prompt takes milliseconds: do it off the event loop, on one thread
         # because a fast tokenizer must not be used from two threads at once.
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
@@ -90,6 +96,9 @@ class ServerState:
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
         self.loaded, self.vocab_size = started.loaded, started.vocab_size
         self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size)
+        assert self.config.max_input_tokens and self.config.max_total_tokens
+        self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
+        started.engine.step_observer = self.metrics.step_finished
         started.engine.start()
         self.engine = started.engine
 
@@ -139,6 +148,8 @@ class ServerState:
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
     def ready_engine(self) -> Engine:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "unhealthy")
         if self.shard_failure is not None:
             raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
         if self.engine is None:
@@ -147,6 +158,41 @@ class ServerState:
         if not self.engine.healthy:
             raise ApiError(503, "the engine has stopped", "unhealthy")
         return self.engine
+
+    async def drain(self, grace: float, now: asyncio.Event) -> None:
+        """SIGTERM: refuse new requests (503) and let those in flight finish, for up to ``grace`` seconds
+        or until ``now`` is set (a second signal); then end the rest with an error (a stream's last
+        event) and wait until their responses are written."""
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %gs to finish", self.in_flight, grace)
+        deadline = time.monotonic() + grace
+        while self.in_flight and not now.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight and self.engine is not None:
+            log.warning("ending %d requests still in flight", self.in_flight)
+            await asyncio.to_thread(self.engine.stop)
+            deadline = time.monotonic() + 5.0
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        log.info("drained")
+
+    def live_snapshot(self) -> dict[str, Any]:
+        """What the gauges of /metrics read at scrape time (empty while loading)."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        view = engine.queue_view()
+        return {
+            "queue_size": engine.queue_size,
+            "batch_size": engine.batch_size,
+            "batch_max_tokens": sum(entry["prompt_tokens"] + entry["max_new_tokens"] for entry in view["running"]),
+            "in_flight": self.in_flight,
+            "queue_by_class": {name: sum(1 for entry in view["pending"] if entry["priority"] == name)
+                               for name in PRIORITY_CLASSES},
+            "kv": engine.runner.kv_usage(),
+            "preemptions": engine.preemptions,
+            "suspensions": engine.suspensions,
+        }
 
     def take_slot(self) -> Slot:
         if self.in_flight >= self.config.max_concurrent_requests:
@@ -252,22 +298,39 @@ def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
     return body
 
 
-def timing_headers(resp: falcon.asgi.Response, request: GenerationRequest, result: FinalResult, device: str,
-                   started: float, validated: float) -> None:
-    total = time.monotonic() - started
-    per_token = result.inference_seconds / max(result.generated_tokens, 1)
+def timing_headers(resp: falcon.asgi.Response, record: RequestRecord, request: GenerationRequest, device: str) -> None:
+    """TGI's response headers of a whole (not streamed) response: times in milliseconds but
+    ``x-compute-time``, in seconds."""
+    total = time.monotonic() - record.started_monotonic
     resp.set_headers({
         "x-compute-type": device,
         "x-compute-time": f"{total:.6f}",
         "x-compute-characters": str(len(request.inputs)),
         "x-total-time": str(int(total * 1000)),
-        "x-validation-time": str(int((validated - started) * 1000)),
-        "x-queue-time": str(int(result.queue_seconds * 1000)),
-        "x-inference-time": str(int(result.inference_seconds * 1000)),
-        "x-time-per-token": str(int(per_token * 1000)),
-        "x-prompt-tokens": str(result.input_length),
-        "x-generated-tokens": str(result.generated_tokens),
+        "x-validation-time": str(int(record.validation_seconds * 1000)),
+        "x-queue-time": str(int(record.queue_seconds * 1000)),
+        "x-inference-time": str(int(record.inference_seconds * 1000)),
+        "x-time-per-token": str(int(record.time_per_token_seconds * 1000)),
+        "x-prompt-tokens": str(record.input_tokens),
+        "x-generated-tokens": str(record.generated_tokens),
     })
+
+
+def stream_headers(resp: falcon.asgi.Response, request: GenerationRequest, device: str) -> None:
+    """What a streamed response can say before its tokens exist (as TGI's streams do)."""
+    resp.content_type = "text/event-stream"
+    resp.set_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-compute-type": device,
+                      "x-compute-characters": str(len(request.inputs))})
+
+
+def record_of(req: falcon.asgi.Request) -> RequestRecord:
+    """The request's record (made by the middleware for the generation routes; made here for a
+    plugin's route that generates)."""
+    record = getattr(req.context, "record", None)
+    if record is None:
+        record = req.context.record = RequestRecord(req.context.request_id, req.path.strip("/") or "generate",
+                                                    time.time_ns())
+    return record
 
 
 # ---- routes ----------------------------------------------------------------------------
@@ -280,7 +343,7 @@ class Generation:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def prepare(self, req: falcon.asgi.Request, stream: bool | None) -> tuple[GenerationRequest, bool, float]:
+    async def prepare(self, req: falcon.asgi.Request, stream: bool | None) -> tuple[GenerationRequest, bool]:
         self.state.ready_engine()
         body = await read_json(req, self.state.config.payload_limit)
         if stream is None:
@@ -291,11 +354,16 @@ class Generation:
             request = await self.validate(self.validator().generate, inputs, params, stream)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
-        return request, stream, time.monotonic()
+        return request, stream
 
     def validator(self) -> Validator:
         assert self.state.validator is not None, "validation runs only once the model is ready"
         return self.state.validator
+
+    @property
+    def device(self) -> str:
+        assert self.state.loaded is not None
+        return self.state.loaded.device.type
 
     async def validate(self, check: Callable[..., Any], *args: Any) -> Any:
         """Run ``check(*args)`` on the tokenizer thread (tokenizing and compiling grammars take milliseconds)."""
@@ -330,39 +398,57 @@ class Generation:
             if event.final is not None:
                 return event.final
 
-    def started(self, request_id: int, request: GenerationRequest) -> None:
+    def started(self, record: RequestRecord, request: GenerationRequest) -> None:
+        """The request passed validation and goes to the engine."""
+        record.validation_seconds = time.monotonic() - record.started_monotonic
+        record.input_tokens = len(request.input_ids)
+        record.max_new_tokens = request.max_new_tokens
+        record.parameters = request.parameters
+        record.inputs = request.inputs
         self.state.pm.hook.tokenmill_request_started(
-            request_id=request_id, inputs=request.inputs, parameters=request.parameters)
+            request_id=record.request_id, inputs=request.inputs, parameters=request.parameters)
 
-    def finished(self, request_id: int, result: FinalResult | None, error: str | None) -> None:
+    def finished(self, record: RequestRecord, result: FinalResult | None, error: str | None = None,
+                 error_type: str | None = None, generated_tokens: int | None = None) -> None:
+        """The request ended: ``result`` (its best or first sequence's) on success, else the error.
+        ``generated_tokens`` counts all its sequences when there are several."""
+        if result is not None:
+            record.queue_seconds, record.inference_seconds = result.queue_seconds, result.inference_seconds
+            record.finish_reason = result.finish_reason
+        record.generated_tokens = generated_tokens if generated_tokens is not None else (
+            result.generated_tokens if result is not None else 0)
+        if error is not None:
+            record.error, record.error_type = error, error_type or "generation"
+        self.state.telemetry.request_finished(record)
         self.state.pm.hook.tokenmill_request_finished(
-            request_id=request_id,
+            request_id=record.request_id,
             finish_reason=result.finish_reason if result else None,
-            generated_tokens=result.generated_tokens if result else 0,
+            generated_tokens=record.generated_tokens,
             error=error,
         )
 
     async def run_tracked(self, req: falcon.asgi.Request, request: GenerationRequest,
                           jobs: list[tuple[GenerationRequest, int | None]]) -> list[FinalResult]:
-        """``run_to_end`` holding one concurrency slot, with the request start and finish hooks."""
+        """``run_to_end`` holding one concurrency slot, reported when it ends."""
         slot = self.state.take_slot()
-        request_id = next(self.state.request_ids)
+        record = record_of(req)
         try:
-            self.started(request_id, request)
+            self.started(record, request)
             results = await self.run_to_end(req, jobs)
         except ApiError as error:
-            self.finished(request_id, None, error.message)
+            self.finished(record, None, error.message, error.error_type)
             raise
         except BaseException as error:
-            self.finished(request_id, None, f"{type(error).__name__}: {error}")
+            self.finished(record, None, f"{type(error).__name__}: {error}", "cancelled")
             raise
         finally:
             slot.release()
-        self.finished(request_id, max(results, key=lambda r: r.logprob_sum()), None)
+        self.finished(record, max(results, key=lambda r: r.logprob_sum()),
+                      generated_tokens=sum(r.generated_tokens for r in results))
         return results
 
     async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                           request: GenerationRequest, started: float, validated: float, as_list: bool) -> None:
+                           request: GenerationRequest, as_list: bool) -> None:
         results = await self.run_tracked(req, request, [(request, None)] * request.best_of)
         best = max(results, key=lambda r: r.logprob_sum())
         body: dict[str, Any] = {"generated_text": best.generated_text}
@@ -373,17 +459,16 @@ class Generation:
                     {"generated_text": r.generated_text, **details_json(r, request.top_n_tokens > 0)}
                     for r in results if r is not best
                 ]
-        assert self.state.loaded is not None
-        timing_headers(resp, request, best, self.state.loaded.device.type, started, validated)
+        timing_headers(resp, record_of(req), request, self.device)
         resp.media = [body] if as_list else body
 
     async def respond_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                              request: GenerationRequest) -> None:
         engine = self.state.ready_engine()
         slot = self.state.take_slot()
-        request_id = next(self.state.request_ids)
+        record = record_of(req)
         try:
-            self.started(request_id, request)
+            self.started(record, request)
             channel = Channel()
             seq = engine.submit(request, channel.sink, backlog=channel.backlog)
         except BaseException:
@@ -392,22 +477,21 @@ class Generation:
 
         on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
         on_disconnect(req, slot.release)  # also when the response never started streaming
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.sse = self.events(engine, seq, channel, request, request_id, slot)
+        stream_headers(resp, request, self.device)
+        resp.sse = self.events(engine, seq, channel, request, record, slot)
 
     async def events(self, engine: Engine, seq: Sequence, channel: Channel, request: GenerationRequest,
-                     request_id: int, slot: Slot) -> AsyncIterator[falcon.asgi.SSEvent]:
+                     record: RequestRecord, slot: Slot) -> AsyncIterator[falcon.asgi.SSEvent]:
         result: FinalResult | None = None
-        error: str | None = None
+        error: ErrorEvent | None = None
         try:
             while True:
                 event = await channel.queue.get()
                 if event is DISCONNECTED:
-                    error = "client disconnected"
+                    error = ErrorEvent("client disconnected", "cancelled")
                     return
                 if isinstance(event, ErrorEvent):
-                    error = event.message
+                    error = event
                     yield falcon.asgi.SSEvent(json=event.as_json())
                     return
                 yield falcon.asgi.SSEvent(json=self.stream_json(event, request))
@@ -418,9 +502,10 @@ class Generation:
         finally:
             if result is None and error is None:  # the response was abandoned mid-way
                 engine.cancel(seq)
-                error = "client disconnected"
+                error = ErrorEvent("client disconnected", "cancelled")
             slot.release()
-            self.finished(request_id, result, error)
+            self.finished(record, result, error.message if error else None, error.error_type if error else None,
+                          generated_tokens=len(seq.generated_ids))
 
     @staticmethod
     def stream_json(event: TokenEvent, request: GenerationRequest) -> dict[str, Any]:
@@ -442,19 +527,22 @@ class Generation:
         }
 
 
-    async def run_openai(self, req: falcon.asgi.Request, job: OpenAIJob) -> list[FinalResult]:
-        return await self.run_tracked(req, job.requests[0], job.sequences())
+    async def run_openai(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, job: OpenAIJob
+                         ) -> list[FinalResult]:
+        results = await self.run_tracked(req, job.requests[0], job.sequences())
+        timing_headers(resp, record_of(req), job.requests[0], self.device)
+        return results
 
     async def stream_openai(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, job: OpenAIJob,
                             stream: OpenAIStream) -> None:
         """Stream every choice of ``job`` in one SSE response, chunks tagged with their choice index."""
         engine = self.state.ready_engine()
         slot = self.state.take_slot()
-        request_id = next(self.state.request_ids)
+        record = record_of(req)
         channel = Channel()
         seqs: list[Sequence] = []
         try:
-            self.started(request_id, job.requests[0])
+            self.started(record, job.requests[0])
             for i, (request, seed) in enumerate(job.sequences()):
                 seqs.append(engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed,
                                           backlog=channel.backlog))
@@ -466,15 +554,14 @@ class Generation:
         for seq in seqs:
             on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
         on_disconnect(req, slot.release)
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.sse = sse_events(self.openai_chunks(engine, seqs, channel, stream, request_id, slot))
+        stream_headers(resp, job.requests[0], self.device)
+        resp.sse = sse_events(self.openai_chunks(engine, seqs, channel, stream, record, slot))
 
     async def openai_chunks(self, engine: Engine, seqs: list[Sequence], channel: Channel, stream: OpenAIStream,
-                            request_id: int, slot: Slot) -> AsyncIterator[dict[str, Any] | None]:
+                            record: RequestRecord, slot: Slot) -> AsyncIterator[dict[str, Any] | None]:
         """The stream's chunks; None last, for ``data: [DONE]``. An error ends it with an error event."""
         first: FinalResult | None = None
-        error: str | None = None
+        error: ErrorEvent | None = None
         running = len(seqs)
         try:
             for chunk in stream.opening():
@@ -482,11 +569,11 @@ class Generation:
             while running:
                 item = await channel.queue.get()
                 if item is DISCONNECTED:
-                    error = "client disconnected"
+                    error = ErrorEvent("client disconnected", "cancelled")
                     return
                 index, event = item
                 if isinstance(event, ErrorEvent):
-                    error = event.message
+                    error = event
                     yield event.as_json()
                     return
                 for chunk in stream.on_event(index, event):
@@ -502,9 +589,11 @@ class Generation:
             if running:
                 for seq in seqs:
                     engine.cancel(seq)
-                error = error or "client disconnected"
+                error = error or ErrorEvent("client disconnected", "cancelled")
             slot.release()
-            self.finished(request_id, None if error else first, error)
+            self.finished(record, None if error else first, error.message if error else None,
+                          error.error_type if error else None,
+                          generated_tokens=sum(len(seq.generated_ids) for seq in seqs))
 
 
 class GenerateRoute:
@@ -513,12 +602,11 @@ class GenerateRoute:
         self.stream = stream
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        started = time.monotonic()
-        request, stream, validated = await self.generation.prepare(req, self.stream)
+        request, stream = await self.generation.prepare(req, self.stream)
         if stream:
             await self.generation.respond_stream(req, resp, request)
         else:
-            await self.generation.respond_json(req, resp, request, started, validated, as_list=self.stream is None)
+            await self.generation.respond_json(req, resp, request, as_list=self.stream is None)
 
 
 class TokenizeRoute:
@@ -546,44 +634,14 @@ class TokenizeRoute:
 
 
 class MetricsRoute:
-    """Prometheus text exposition of the engine's state (TGI's names where TGI has one)."""
+    """Prometheus text exposition: TGI's metric names and buckets (see ``tokenmill.metrics``)."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        engine = self.state.engine
-        gauges: dict[str, tuple[str, float]] = {
-            "tgi_queue_size": ("requests waiting for the batch", engine.queue_size if engine else 0),
-            "tgi_batch_current_size": ("sequences in the running batch", engine.batch_size if engine else 0),
-            "tokenmill_requests_in_flight": ("requests holding a concurrency slot", self.state.in_flight),
-        }
-        view = engine.queue_view() if engine else {"pending": []}
-        for name in PRIORITY_CLASSES:
-            waiting = sum(1 for entry in view["pending"] if entry["priority"] == name)
-            gauges[f'tokenmill_queue_class_size{{class="{name}"}}'] = ("requests waiting, per priority class", waiting)
-        usage = engine.runner.kv_usage() if engine else {}
-        gauges["tokenmill_kv_cache_bytes"] = ("bytes of KV cache held", usage.get("bytes", 0))
-        if "blocks_total" in usage:
-            gauges["tokenmill_kv_blocks_used"] = ("KV blocks in use", usage["blocks_used"])
-            gauges["tokenmill_kv_blocks_free"] = ("KV blocks free", usage["blocks_total"] - usage["blocks_used"])
-        counters = {
-            "tokenmill_preemptions_total": ("sequences preempted, their KV memory freed to be recomputed later",
-                                            engine.preemptions if engine else 0),
-            "tokenmill_suspensions_total": ("sequences set aside for a higher class, their KV memory kept",
-                                            engine.suspensions if engine else 0),
-        }
-        lines = []
-        described: set[str] = set()
-        for kind, metrics in (("gauge", gauges), ("counter", counters)):
-            for name, (help_text, value) in metrics.items():
-                family = name.split("{")[0]
-                if family not in described:
-                    described.add(family)
-                    lines += [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}"]
-                lines.append(f"{name} {value}")
-        resp.content_type = "text/plain; version=0.0.4"
-        resp.text = "\n".join(lines) + "\n"
+        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.data = self.state.metrics.exposition()
 
 
 class QueueRoute:
@@ -653,28 +711,54 @@ class InfoRoute:
         }
 
 
-async def handle_api_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: ApiError, params: Any) -> None:
-    resp.status = falcon.code_to_http_status(error.status) if error.status != 499 else "499 Client Closed Request"
-    resp.media = error.body()
-
-
-async def handle_unexpected(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception, params: Any) -> None:
-    if isinstance(error, falcon.HTTPError):
-        resp.status = error.status
-        resp.media = {"error": error.title or str(error.status), "error_type": "http"}
-        return
-    log.exception("unhandled error on %s %s", req.method, req.path)
-    resp.status = falcon.HTTP_500
-    resp.media = {"error": f"internal error: {type(error).__name__}", "error_type": "internal"}
-
-
-class Lifespan:
-    """Falcon lifespan middleware: load in a thread at start-up, stop the engine at shutdown."""
+class ErrorHandlers:
+    """Every error is answered with TGI's body; a generation request that fails before it reached
+    the engine (422, 429, 503, ...) is reported like one that failed in it."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
+    def report(self, req: falcon.asgi.Request, message: str, error_type: str) -> None:
+        record = getattr(req.context, "record", None)
+        if record is not None and not record.finished:
+            record.error, record.error_type = message, error_type
+            self.state.telemetry.request_finished(record)
+
+    async def api_error(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: ApiError,
+                        params: Any) -> None:
+        resp.status = falcon.code_to_http_status(error.status) if error.status != 499 else "499 Client Closed Request"
+        resp.media = error.body()
+        self.report(req, error.message, error.error_type)
+
+    async def unexpected(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception,
+                         params: Any) -> None:
+        if isinstance(error, falcon.HTTPError):
+            resp.status = error.status
+            resp.media = {"error": error.title or str(error.status), "error_type": "http"}
+            self.report(req, resp.media["error"], "http")
+            return
+        log.exception("unhandled error on %s %s", req.method, req.path)
+        resp.status = falcon.HTTP_500
+        resp.media = {"error": f"internal error: {type(error).__name__}", "error_type": "internal"}
+        self.report(req, resp.media["error"], "internal")
+
+
+class Lifespan:
+    """Falcon lifespan middleware: at start-up (in the serving process, after gunicorn's fork) load
+    the model in a thread and start the optional exporters; at shutdown stop them and the engine."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.metrics_server: Any = None
+
     async def process_startup(self, scope: Any, event: Any) -> None:
+        config = self.state.config
+        if config.otlp_endpoint:
+            from tokenmill.tracing import Tracing
+
+            self.state.telemetry.tracing = Tracing.start(config.otlp_endpoint, config.otlp_service_name)
+        if config.prometheus_port:
+            self.metrics_server = serve_metrics(self.state.metrics, config.hostname, config.prometheus_port)
         threading.Thread(target=self.state.load_or_exit, name="tokenmill-loader", daemon=True).start()
 
     async def process_shutdown(self, scope: Any, event: Any) -> None:
@@ -682,13 +766,29 @@ class Lifespan:
             await asyncio.to_thread(self.state.engine.stop)
         await asyncio.to_thread(self.state.stop_shards)
         self.state.tokenizer_thread.shutdown(wait=False)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        if self.state.telemetry.tracing is not None:
+            await asyncio.to_thread(self.state.telemetry.tracing.shutdown)
+
+
+def middleware(state: ServerState) -> list[Any]:
+    """In order: CORS (answers preflights, and marks errors too), the request's id and record, the API key."""
+    config = state.config
+    chain: list[Any] = [Lifespan(state)]
+    if config.cors_allow_origin:
+        chain.append(cors_middleware(config.cors_allow_origin))
+    chain.append(RequestContext(state.telemetry))
+    if config.api_key:
+        chain.append(ApiKeyAuth(config.api_key))
+    return chain
 
 
 def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> DisconnectWatch:
     """The ASGI application for ``config``; the model loads when the server starts."""
     pm = pm or build_plugin_manager()
     state = ServerState(config, pm)
-    app = falcon.asgi.App(middleware=[Lifespan(state)])
+    app = falcon.asgi.App(middleware=middleware(state))
     generation = Generation(state)
     app.add_route("/generate", GenerateRoute(generation, stream=False))
     app.add_route("/generate_stream", GenerateRoute(generation, stream=True))
@@ -701,8 +801,11 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
-    app.add_error_handler(Exception, handle_unexpected)
-    app.add_error_handler(ApiError, handle_api_error)
+    if config.enable_profiling:
+        app.add_route("/debug/profile", ProfileRoute())
+    errors = ErrorHandlers(state)
+    app.add_error_handler(Exception, errors.unexpected)
+    app.add_error_handler(ApiError, errors.api_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)
     wrapped = DisconnectWatch(app)
     wrapped.state = state  # type: ignore[attr-defined]

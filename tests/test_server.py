@@ -321,7 +321,7 @@ def test_gunicorn_serves_with_one_uvicorn_worker_logs_json_and_stops_on_sigterm(
         assert server.process.wait(30) == 0
     records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     messages = [r["message"] for r in records]
-    assert any("uvicorn_worker.UvicornWorker" in m for m in messages)
+    assert any("tokenmill.serve.TokenmillWorker" in m for m in messages)  # a uvicorn worker that drains
     assert sum("Booting worker" in m for m in messages) == 1
 
 

@@ -1,0 +1,219 @@
+"""Prometheus metrics under TGI's names, with TGI's histogram buckets.
+
+One registry per server (no process-global state). Request metrics move when a request
+ends, step metrics when the engine runs a step, and the gauges are read from the engine
+when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.telemetry import RequestRecord
+
+
+def duration_buckets() -> list[float]:
+    """TGI's buckets for every ``*_duration`` histogram: 35 steps of ×1.5 from 0.15 ms (~2.4 h)."""
+    buckets, value = [], 0.0001
+    for _ in range(35):
+        value *= 1.5
+        buckets.append(value)
+    return buckets
+
+
+def length_buckets(limit: int) -> list[float]:
+    """TGI's token-count buckets: 100 even steps up to ``limit``."""
+    return [limit / 100 * (i + 1) for i in range(100)]
+
+
+FAILURE_LABELS = {"cancelled": "dropped"}
+"""``tgi_request_failure{err}`` takes the request's ``error_type``, under TGI's label where TGI's differs
+(a client that went away is ``dropped``)."""
+
+
+class Metrics:
+    """The server's metrics; ``exposition()`` is the body of ``GET /metrics``."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        seconds = duration_buckets()
+        r = self.registry
+        self.counters = PlainCounters({
+            "tgi_request_count": ("generation requests received (counted on arrival)", ()),
+            "tgi_request_success": ("generation requests that succeeded", ()),
+            "tgi_request_failure": ("generation requests that failed, by error type", ("err",)),
+            "tgi_batch_inference_count": ("engine steps, by method", ("method",)),
+            "tgi_batch_inference_success": ("engine steps that succeeded", ("method",)),
+            "tgi_batch_inference_failure": ("engine steps that failed", ("method",)),
+        })
+        self.request_duration = Histogram("tgi_request_duration", "seconds from arrival to the last byte",
+                                          buckets=seconds, registry=r)
+        self.validation_duration = Histogram("tgi_request_validation_duration", "seconds spent validating",
+                                             buckets=seconds, registry=r)
+        self.queue_duration = Histogram("tgi_request_queue_duration", "seconds waiting to join the batch",
+                                        buckets=seconds, registry=r)
+        self.inference_duration = Histogram("tgi_request_inference_duration", "seconds in the batch",
+                                            buckets=seconds, registry=r)
+        self.time_per_token = Histogram("tgi_request_mean_time_per_token_duration",
+                                        "inference seconds per generated token", buckets=seconds, registry=r)
+        self.step_duration = Histogram("tgi_batch_inference_duration", "seconds per engine step (forward, "
+                                       "sampling and detokenizing)", ["method"], buckets=seconds, registry=r)
+        self.forward_duration = Histogram("tgi_batch_forward_duration", "seconds per engine step's forward pass",
+                                          ["method"], buckets=seconds, registry=r)
+        self.next_batch_size = Histogram("tgi_batch_next_size", "sequences in each engine step",
+                                         buckets=[float(i + 1) for i in range(1024)], registry=r)
+        self.input_length: Histogram | None = None
+        self.generated_tokens: Histogram | None = None
+        self.max_new_tokens: Histogram | None = None
+        if snapshot is not None:
+            r.register(LiveGauges(snapshot))
+
+    def set_token_limits(self, max_input_tokens: int, max_total_tokens: int) -> None:
+        """Add the token-count histograms, whose buckets follow the limits known once the model loads."""
+        if self.input_length is not None:
+            return
+        r = self.registry
+        self.input_length = Histogram("tgi_request_input_length", "prompt tokens per request",
+                                      buckets=length_buckets(max_input_tokens), registry=r)
+        self.generated_tokens = Histogram("tgi_request_generated_tokens", "tokens generated per request",
+                                          buckets=length_buckets(max_total_tokens), registry=r)
+        self.max_new_tokens = Histogram("tgi_request_max_new_tokens", "max_new_tokens asked per request",
+                                        buckets=length_buckets(max_total_tokens), registry=r)
+
+    def request_arrived(self) -> None:
+        self.counters.inc("tgi_request_count")
+
+    def request_finished(self, record: RequestRecord) -> None:
+        if not record.succeeded:
+            err = record.error_type or "unknown"
+            self.counters.inc("tgi_request_failure", FAILURE_LABELS.get(err, err))
+            return
+        self.counters.inc("tgi_request_success")
+        self.request_duration.observe(record.total_seconds)
+        self.validation_duration.observe(record.validation_seconds)
+        self.queue_duration.observe(record.queue_seconds)
+        self.inference_duration.observe(record.inference_seconds)
+        self.time_per_token.observe(record.time_per_token_seconds)
+        if self.input_length is not None and self.generated_tokens is not None and self.max_new_tokens is not None:
+            self.input_length.observe(record.input_tokens)
+            self.generated_tokens.observe(record.generated_tokens)
+            self.max_new_tokens.observe(record.max_new_tokens)
+
+    def step_finished(self, method: str, batch_size: int, forward_seconds: float, step_seconds: float,
+                      ok: bool) -> None:
+        """Called from the engine thread after each step that ran the model."""
+        self.counters.inc("tgi_batch_inference_count", method)
+        if not ok:
+            self.counters.inc("tgi_batch_inference_failure", method)
+            return
+        self.counters.inc("tgi_batch_inference_success", method)
+        self.next_batch_size.observe(batch_size)
+        self.forward_duration.labels(method=method).observe(forward_seconds)
+        self.step_duration.labels(method=method).observe(step_seconds)
+
+    def exposition(self) -> bytes:
+        return self.counters.exposition().encode() + generate_latest(self.registry)
+
+
+class PlainCounters:
+    """Counters written under their bare names, as TGI's exporter writes them (``tgi_request_count 3``;
+    prometheus_client would write ``tgi_request_count_total``), so dashboards built for TGI read them
+    as they are. ``families`` maps a name to its help text and label names."""
+
+    def __init__(self, families: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+        self.families = families
+        self.values: dict[tuple[str, tuple[str, ...]], float] = {}
+        self.lock = threading.Lock()
+
+    def inc(self, name: str, *label_values: str) -> None:
+        assert len(label_values) == len(self.families[name][1]), name
+        with self.lock:
+            key = (name, label_values)
+            self.values[key] = self.values.get(key, 0.0) + 1
+
+    def exposition(self) -> str:
+        with self.lock:
+            values = dict(self.values)
+        lines = []
+        for name, (help_text, label_names) in self.families.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            samples = [(labels, value) for (counted, labels), value in values.items() if counted == name]
+            if not label_names and not samples:
+                samples = [((), 0.0)]
+            for labels, value in samples:
+                pairs = ",".join(f'{key}="{escape_label(v)}"' for key, v in zip(label_names, labels))
+                lines.append(f"{name}{{{pairs}}} {value}" if pairs else f"{name} {value}")
+        return "\n".join(lines) + "\n"
+
+
+def escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class LiveGauges(Collector):
+    """Gauges (and the engine's own counters) read when Prometheus scrapes, from ``snapshot()``:
+    ``queue_size``, ``batch_size``, ``batch_max_tokens``, ``in_flight``, ``queue_by_class``
+    ({class: waiting}), ``kv`` (the runner's ``kv_usage()``), ``preemptions``, ``suspensions``."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        now = self.snapshot()
+        if not now:  # still loading
+            return
+        yield GaugeMetricFamily("tgi_queue_size", "requests waiting to join the batch", value=now["queue_size"])
+        yield GaugeMetricFamily("tgi_batch_current_size", "sequences in the running batch", value=now["batch_size"])
+        yield GaugeMetricFamily("tgi_batch_current_max_tokens", "prompt + max_new_tokens of the running batch",
+                                value=now["batch_max_tokens"])
+        yield GaugeMetricFamily("tokenmill_requests_in_flight", "requests holding a concurrency slot",
+                                value=now["in_flight"])
+        by_class = GaugeMetricFamily("tokenmill_queue_class_size", "requests waiting, per priority class",
+                                     labels=["class"])
+        for name, waiting in now["queue_by_class"].items():
+            by_class.add_metric([name], waiting)
+        yield by_class
+        kv = now["kv"]
+        yield GaugeMetricFamily("tokenmill_kv_cache_bytes", "bytes of KV cache held", value=kv.get("bytes", 0))
+        if "blocks_total" in kv:
+            yield GaugeMetricFamily("tokenmill_kv_blocks_used", "KV blocks in use", value=kv["blocks_used"])
+            yield GaugeMetricFamily("tokenmill_kv_blocks_free", "KV blocks free",
+                                    value=kv["blocks_total"] - kv["blocks_used"])
+        yield CounterMetricFamily("tokenmill_preemptions", "sequences preempted, their KV memory freed to be "
+                                  "recomputed later", value=now["preemptions"])
+        yield CounterMetricFamily("tokenmill_suspensions", "sequences set aside for a higher class, their KV "
+                                  "memory kept", value=now["suspensions"])
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> Any:
+    """``--prometheus-port``: ``GET /metrics`` on a port of its own, served from a daemon thread.
+    Returns the server (``shutdown()`` stops it)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class MetricsHandler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            body = metrics.exposition()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer((host, port), MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="tokenmill-metrics", daemon=True).start()
+    return server

@@ -1,0 +1,74 @@
+"""Falcon middleware that runs before every route: the request's id and record, and the API key."""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+
+import falcon.asgi
+
+from tokenmill.http_body import ApiError
+from tokenmill.logs import request_id_var
+from tokenmill.telemetry import RequestRecord, Telemetry
+
+GENERATION_ROUTES = {
+    "/generate": "generate",
+    "/generate_stream": "generate_stream",
+    "/": "compat_generate",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/completions": "completions",
+}
+"""Paths whose POSTs are generation requests: counted, timed, logged and traced."""
+
+OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models"})
+"""What probes and scrapers read: never behind ``--api-key``."""
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+class RequestContext:
+    """Give each request an id (the client's ``X-Request-Id`` when it is sane, else a new one),
+    echoed in the response and attached to every log line written while it is handled, and a
+    :class:`RequestRecord` for the generation routes (counted as they arrive)."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        given = req.get_header("X-Request-Id")
+        request_id = given if given and _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex
+        req.context.request_id = request_id
+        request_id_var.set(request_id)
+        resp.set_header("X-Request-Id", request_id)
+        route = GENERATION_ROUTES.get(req.path) if req.method == "POST" else None
+        req.context.record = RequestRecord(request_id, route, time.time_ns(), time.monotonic()) if route else None
+        if req.context.record is not None:
+            self.telemetry.request_arrived(req.context.record)
+
+
+class ApiKeyAuth:
+    """``--api-key``: every route but the open ones wants ``Authorization: Bearer <key>``, compared
+    in constant time. CORS preflights pass (browsers send them without credentials)."""
+
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if req.path in OPEN_ROUTES or (req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method")):
+            return
+        given = (req.get_header("Authorization") or "").encode()
+        if not hmac.compare_digest(given, self.expected):
+            resp.set_header("WWW-Authenticate", "Bearer")
+            raise ApiError(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", "authentication")
+
+
+def cors_middleware(allow_origin: str) -> falcon.CORSMiddleware:
+    """``--cors-allow-origin``: ``*`` or a comma-separated list of origins."""
+    origins = [o.strip() for o in allow_origin.split(",") if o.strip()]
+    return falcon.CORSMiddleware(
+        allow_origins="*" if "*" in origins else origins,
+        expose_headers=["X-Request-Id", "X-Compute-Type", "X-Compute-Time", "X-Total-Time", "X-Validation-Time",
+                        "X-Queue-Time", "X-Inference-Time", "X-Time-Per-Token", "X-Prompt-Tokens",
+                        "X-Generated-Tokens"])
