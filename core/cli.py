@@ -18,6 +18,10 @@ from tokenmill.loading import ModelLoadError, checkpoint_config, resolve
 from tokenmill.logs import setup_logging
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all, list_all
 from tokenmill.sharding import ShardingError
+from tokenmill.tracing import TracingUnavailable
+
+PREFLIGHT_ERRORS = (ConfigError, PluginError, ModelLoadError, ShardingError, TracingUnavailable)
+"""What :func:`preflight` raises: each a one-line reason not to start."""
 
 
 def preflight(config: Config) -> None:
@@ -43,6 +47,10 @@ def preflight(config: Config) -> None:
     refusal = kv_cache_refusal(config, chosen, "cuda" if torch.cuda.is_available() else "cpu")
     if refusal:
         raise ConfigError(refusal)
+    if config.otlp_endpoint:
+        from tokenmill.tracing import Tracing
+
+        Tracing.start(config.otlp_endpoint, config.otlp_service_name).shutdown()
     resolve(config.model_id, config.revision)
 
 
@@ -76,7 +84,7 @@ def launch(argv: Sequence[str]) -> int:
         return run_shard(rank, config)
     try:
         preflight(config)
-    except (ConfigError, PluginError, ModelLoadError, ShardingError) as error:
+    except PREFLIGHT_ERRORS as error:
         print(f"tokenmill: error: {error}", file=sys.stderr)
         return 2
     from tokenmill.serve import serve

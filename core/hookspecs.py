@@ -85,18 +85,19 @@ def tokenmill_load_stage(stage: str, seconds: float, detail: str) -> None:
 
 
 @hookspec
-def tokenmill_request_started(request_id: int, inputs: str, parameters: dict[str, Any]) -> None:
+def tokenmill_request_started(request_id: str, inputs: str, parameters: dict[str, Any]) -> None:
     """Observe a request that passed validation and entered the queue.
 
     Called on the HTTP event loop; it must not block.
-    Receives the request id, the prompt text and the validated parameters.
+    Receives the request id (the ``X-Request-Id`` of the response and the logs), the prompt
+    text and the validated parameters.
     Returns nothing.
     """
 
 
 @hookspec
 def tokenmill_request_finished(
-    request_id: int, finish_reason: str | None, generated_tokens: int, error: str | None
+    request_id: str, finish_reason: str | None, generated_tokens: int, error: str | None
 ) -> None:
     """Observe a request that ended: finished, failed, or cancelled by its client.
 

@@ -45,12 +45,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class PlainFormatter(logging.Formatter):
+    """A line of text; a record's ``fields`` follow its message as ``key=value`` pairs."""
+
+    def __init__(self) -> None:
+        super().__init__(PLAIN_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line += "".join(f" {key}={json.dumps(value, default=str)}" for key, value in fields.items())
+        return line
+
+
 def setup_logging(json_output: bool) -> None:
     handler = logging.StreamHandler()
     if json_output:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(PLAIN_FORMAT))
+        handler.setFormatter(PlainFormatter())
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -59,7 +73,7 @@ def setup_logging(json_output: bool) -> None:
 
 def gunicorn_logconfig(json_output: bool) -> dict[str, Any]:
     """A ``logconfig_dict`` that sends gunicorn's loggers through the same format as ours."""
-    formatter: dict[str, Any] = {"()": JsonFormatter} if json_output else {"format": PLAIN_FORMAT}
+    formatter: dict[str, Any] = {"()": JsonFormatter if json_output else PlainFormatter}
     return {
         "version": 1,
         "disable_existing_loggers": False,

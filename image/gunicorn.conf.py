@@ -1,14 +1,15 @@
 # gunicorn's configuration in the container: every setting comes from tokenmill's own configuration
 # (environment variables, and the container's flags that image/entrypoint.sh passes in
-# TOKENMILL_ARGS), through the same function `tokenmill launch` uses, so the two cannot drift apart.
+# TOKENMILL_ARGS), through the same functions `tokenmill launch` uses, so the two cannot drift apart.
 import sys
 
-from tokenmill.config import ConfigError
+from tokenmill.cli import PREFLIGHT_ERRORS, preflight
 from tokenmill.serve import config_from_environment, gunicorn_options
 
 try:
     _config = config_from_environment()
-except ConfigError as error:
+    preflight(_config)  # a bad setting stops here with one line, before gunicorn starts a worker
+except PREFLIGHT_ERRORS as error:
     print(f"tokenmill: error: {error}", file=sys.stderr)
     sys.exit(2)
 
