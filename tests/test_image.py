@@ -119,12 +119,20 @@ def test_startup_probe_allows_a_quarter_hour_of_model_loading():
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
 
 
+def drain_seconds() -> int:
+    return int(next(variable["value"] for variable in container()["env"]
+                    if variable["name"] == "GRACEFUL_TERMINATION_TIMEOUT"))
+
+
 def test_the_grace_period_outlasts_the_drain_after_sigterm():
-    app = container()
-    drain = int(next(variable["value"] for variable in app["env"] if variable["name"] == "GRACEFUL_TERMINATION_TIMEOUT"))
-    pre_stop = app.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    pre_stop = container().get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
     grace = load("deployment.yaml")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > pre_stop + drain
+    assert grace > pre_stop + drain_seconds()
+
+
+def test_liveness_does_not_restart_a_server_that_drains_on_purpose():
+    liveness = container()["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain_seconds()
 
 
 def test_the_autoscaler_scales_the_deployment_on_the_metric_that_the_adapter_serves():
