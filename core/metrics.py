@@ -65,6 +65,9 @@ class Metrics:
                                        "sampling and detokenizing)", ["method"], buckets=seconds, registry=r)
         self.forward_duration = Histogram("tgi_batch_forward_duration", "seconds per engine step's forward pass",
                                           ["method"], buckets=seconds, registry=r)
+        self.decode_duration = Histogram("tgi_batch_decode_duration", "seconds per engine step spent after the "
+                                         "forward: sampling, stop checks, detokenizing", ["method"],
+                                         buckets=seconds, registry=r)
         self.next_batch_size = Histogram("tgi_batch_next_size", "sequences in each engine step",
                                          buckets=[float(i + 1) for i in range(1024)], registry=r)
         self.input_length: Histogram | None = None
@@ -115,6 +118,7 @@ class Metrics:
         self.next_batch_size.observe(batch_size)
         self.forward_duration.labels(method=method).observe(forward_seconds)
         self.step_duration.labels(method=method).observe(step_seconds)
+        self.decode_duration.labels(method=method).observe(step_seconds - forward_seconds)
 
     def exposition(self) -> bytes:
         return self.counters.exposition().encode() + generate_latest(self.registry)

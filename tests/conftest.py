@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from otlp_collector import Collector, running_collector
 from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
 
 
@@ -123,3 +124,12 @@ def tiny_server(request: pytest.FixtureRequest, tiny_model_dir: Path,
     server.backend = request.param
     yield server
     server.stop()
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    """A stand-in OTLP/HTTP trace collector on loopback (skips without the otlp extra)."""
+    pytest.importorskip("opentelemetry.sdk")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    with running_collector() as running:
+        yield running

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import RunningServer, free_port, start_server
-from test_tracing import Collector, attributes, collector  # noqa: F401 - collector is a fixture
+from otlp_collector import attributes
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "s3cret-key"
@@ -120,13 +120,14 @@ def test_requests_still_running_when_the_grace_period_ends_get_a_final_error_eve
         assert events[-1] == {"error": "the server is shutting down", "error_type": "unhealthy"}
 
 
-def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tmp_path):
-    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+@pytest.mark.parametrize("server_kind", ["uvicorn", "gunicorn"])  # gunicorn passes the second one to its worker
+def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tmp_path, server_kind):
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", server_kind, "--max-total-tokens", "512",
                            "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "300"], tmp_path)
     try:
         streams, threads = start_streams(server, 1, max_new_tokens=500)
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        time.sleep(0.5)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(60)
@@ -168,6 +169,17 @@ def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drai
     messages = [r["message"] for r in records]
     assert sum("Booting worker" in m for m in messages) == 1
     assert any("draining: 2 requests in flight" in m for m in messages)
+
+
+def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
+    from tokenmill.config import parse_config
+    from tokenmill.serve import gunicorn_options
+
+    options = gunicorn_options(parse_config(["--graceful-termination-timeout", "45", "--hostname", "::1",
+                                             "--port", "8080"]))
+    assert options["bind"] == ["[::1]:8080"] and options["workers"] == 1
+    assert options["worker_class"] == "tokenmill.serve.TokenmillWorker"
+    assert options["graceful_timeout"] > 45
 
 
 def test_bad_settings_in_the_environment_stop_the_entrypoint_with_one_line(tmp_path):
@@ -318,7 +330,7 @@ def test_profiling_is_off_unless_enabled_and_prompts_are_logged_only_when_asked(
     assert CANARY in server.log()
 
 
-def test_requests_are_traced_to_the_otlp_collector(tiny_model_dir, tmp_path, collector):  # noqa: F811
+def test_requests_are_traced_to_the_otlp_collector(tiny_model_dir, tmp_path, collector):
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "256",
                            "--otlp-endpoint", collector.url, "--otlp-service-name", "tokenmill-test"], tmp_path)
     try:
