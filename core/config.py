@@ -59,6 +59,9 @@ class Config:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "tokenmill"
     enable_profiling: bool = False
+    lora_adapters: str | None = None
+    lora_cache_limit: int | None = None
+    max_lora_rank: int = 64
     backend: str = "auto"
     attention: str | None = None
     scheduler: str = "fifo"
@@ -115,6 +118,12 @@ class Config:
                                   "/metrics is served on --port already")
         if self.graceful_termination_timeout < 0:
             raise ConfigError(f"--graceful-termination-timeout must be >= 0 (got {self.graceful_termination_timeout})")
+        if self.lora_cache_limit is not None and self.lora_cache_limit < 1:
+            raise ConfigError(f"--lora-cache-limit must be >= 1 (got {self.lora_cache_limit})")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be >= 1 (got {self.max_lora_rank})")
+        if self.lora_enabled and self.num_shard > 1:
+            raise ConfigError("LoRA adapters cannot shard yet: run them with --num-shard 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
@@ -139,6 +148,18 @@ class Config:
             raise ConfigError(
                 f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
             )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters are served (and can be loaded at run time) with --lora-adapters or --lora-cache-limit."""
+        return bool(self.lora_adapters) or self.lora_cache_limit is not None
+
+    @property
+    def adapter_slots(self) -> int:
+        """Adapters kept in memory: --lora-cache-limit, else room for those named at start (at least 8)."""
+        if self.lora_cache_limit is not None:
+            return self.lora_cache_limit
+        return max(8, len([a for a in (self.lora_adapters or "").split(",") if a.strip()]))
 
     def class_weights(self) -> tuple[tuple[str, float], ...]:
         """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""
@@ -222,6 +243,9 @@ _HELP = {
     "prometheus_port": "also serve /metrics on this port (default: only on --port)",
     "otlp_endpoint": "send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. http://collector:4318 (needs tokenmill[otlp])",
     "otlp_service_name": "service.name of the traces",
+    "lora_adapters": "LoRA adapters to serve, comma-separated: `id` (in the local HF cache) or `id=path` (a PEFT checkpoint directory); requests pick one with `adapter_id` (OpenAI routes: `model`)",
+    "lora_cache_limit": "most LoRA adapters in memory; the least recently used idle one is evicted and reloaded when asked for again (default: 8, or as many as --lora-adapters names). Setting it also enables POST /adapters without --lora-adapters",
+    "max_lora_rank": "largest LoRA rank an adapter may have",
     "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy; behind --api-key)",
     "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run)",
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",

@@ -162,7 +162,8 @@ def escape_label(value: str) -> str:
 class LiveGauges(Collector):
     """Gauges (and the engine's own counters) read when Prometheus scrapes, from ``snapshot()``:
     ``queue_size``, ``batch_size``, ``batch_max_tokens``, ``in_flight``, ``queue_by_class``
-    ({class: waiting}), ``kv`` (the runner's ``kv_usage()``), ``preemptions``, ``suspensions``."""
+    ({class: waiting}), ``kv`` (the runner's ``kv_usage()``), ``lora`` (the adapter cache's
+    ``usage()``, or None), ``preemptions``, ``suspensions``."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
@@ -188,6 +189,14 @@ class LiveGauges(Collector):
             yield GaugeMetricFamily("tokenmill_kv_blocks_used", "KV blocks in use", value=kv["blocks_used"])
             yield GaugeMetricFamily("tokenmill_kv_blocks_free", "KV blocks free",
                                     value=kv["blocks_total"] - kv["blocks_used"])
+        lora = now.get("lora")
+        if lora is not None:
+            yield GaugeMetricFamily("tgi_lora_cache_size", "LoRA adapters in memory", value=len(lora["loaded"]))
+            yield GaugeMetricFamily("tokenmill_lora_cache_bytes", "bytes of LoRA weights in memory", value=lora["bytes"])
+            yield CounterMetricFamily("tokenmill_lora_loads", "LoRA adapters loaded (again, after an eviction)",
+                                      value=lora["loads"])
+            yield CounterMetricFamily("tokenmill_lora_evictions", "LoRA adapters evicted from memory",
+                                      value=lora["evictions"])
         yield CounterMetricFamily("tokenmill_preemptions", "sequences preempted, their KV memory freed to be "
                                   "recomputed later", value=now["preemptions"])
         yield CounterMetricFamily("tokenmill_suspensions", "sequences set aside for a higher class, their KV "

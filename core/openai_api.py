@@ -193,10 +193,20 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         params["top_n_tokens"] = top_logprobs
     if priority is not None:
         params["priority"] = priority
+    params["adapter_id"] = named_adapter(validator, body)
     n = choice_count(body, config.max_client_batch_size)
     request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
                                  grammar=grammar)
-    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, model, may_call_tool=bool(offered))
+    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, params["adapter_id"] or model,
+                     may_call_tool=bool(offered))
+
+
+def named_adapter(validator: Validator, body: dict[str, Any]) -> str | None:
+    """The LoRA adapter that ``model`` names, else None: any other name means the base model, as
+    clients written for one model send whatever name they were configured with."""
+    model = body.get("model")
+    served = validator.adapter_names() if validator.adapter_names is not None else []
+    return model if isinstance(model, str) and model in served else None
 
 
 def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
@@ -248,8 +258,10 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
             params["decoder_input_details"] = True
     if priority is not None:
         params["priority"] = priority
+    params["adapter_id"] = named_adapter(validator, body)
     requests = [validator.generate(text, params, stream, max_top_n=MAX_COMPLETION_LOGPROBS) for text in prompts]
-    return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, model, echo=echo)
+    return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None,
+                     params["adapter_id"] or model, echo=echo)
 
 
 # ---- shaping responses ------------------------------------------------------------------------
@@ -503,8 +515,14 @@ class ModelsRoute:
         self.state = state
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """The base model, then each LoRA adapter (whose id, as ``model``, selects it)."""
+        created = int(time.time())
+        base = served_model(self.state)
+        adapters = self.state.adapters.names if self.state.adapters is not None else []
         resp.media = {"object": "list", "data": [
-            {"id": served_model(self.state), "object": "model", "created": int(time.time()), "owned_by": "tokenmill"}]}
+            {"id": base, "object": "model", "created": created, "owned_by": "tokenmill"},
+            *({"id": name, "object": "model", "created": created, "owned_by": "tokenmill", "parent": base}
+              for name in adapters)]}
 
 
 async def sse_events(events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[falcon.asgi.SSEvent]:

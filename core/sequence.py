@@ -57,6 +57,10 @@ class GenerationRequest:
     """The grammar every generated token must follow, or None."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """The request's parameters as the client sent them, for hooks and logs."""
+    adapter_id: str | None = None
+    """The LoRA adapter the request asked for; None for the base model."""
+    adapter: Any = None
+    """That adapter's weights (a ``tokenmill.lora.Adapter``), pinned in memory while the request runs."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ from tokenmill.config import Config
 from tokenmill.engine import Engine
 from tokenmill.http_body import ApiError, read_json
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.lora import Adapter, AdapterBusy, AdapterCache, AdapterError
 from tokenmill.metrics import Metrics, serve_metrics
 from tokenmill.middleware import ApiKeyAuth, RequestContext, cors_middleware
 from tokenmill.openai_api import (
@@ -49,16 +51,20 @@ DISCONNECTED = object()
 
 
 class Slot:
-    """One of the ``--max-concurrent-requests`` places; giving it back twice is harmless."""
+    """One of the ``--max-concurrent-requests`` places, with the LoRA adapter its request pinned;
+    giving it back (once, whatever the path) unpins the adapter too."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.held = True
+        self.adapter: Adapter | None = None
 
     def release(self) -> None:
         if self.held:
             self.held = False
             self.state.in_flight -= 1
+            if self.adapter is not None and self.state.adapters is not None:
+                self.state.adapters.release(self.adapter)
 
 
 class ServerState:
@@ -77,6 +83,8 @@ class ServerState:
         self.shard_failure: str | None = None
         self.shards_stopping = False
         self.chosen: Chosen | None = None
+        self.adapters: AdapterCache | None = None
+        """The LoRA adapters (with --lora-adapters or --lora-cache-limit)."""
         self.vocab_size = 0
         self.in_flight = 0
         self.draining = False
@@ -94,8 +102,11 @@ class ServerState:
             self.shards = ShardProcesses(self.config)
             threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
-        self.loaded, self.vocab_size = started.loaded, started.vocab_size
-        self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size)
+        self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
+        adapters = started.adapters
+        self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size,
+                                   adapter_names=(lambda: adapters.names) if adapters is not None else None,
+                                   model_id=started.loaded.model_id)
         assert self.config.max_input_tokens and self.config.max_total_tokens
         self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
         started.engine.step_observer = self.metrics.step_finished
@@ -190,6 +201,7 @@ class ServerState:
             "queue_by_class": {name: sum(1 for entry in view["pending"] if entry["priority"] == name)
                                for name in PRIORITY_CLASSES},
             "kv": engine.runner.kv_usage(),
+            "lora": self.adapters.usage() if self.adapters is not None else None,
             "preemptions": engine.preemptions,
             "suspensions": engine.suspensions,
         }
@@ -398,6 +410,23 @@ class Generation:
             if event.final is not None:
                 return event.final
 
+    async def pin_adapter(self, slot: Slot, jobs: list[tuple[GenerationRequest, int | None]]
+                          ) -> list[tuple[GenerationRequest, int | None]]:
+        """The jobs with their LoRA adapter's weights, pinned in memory until ``slot`` is given back
+        (loaded on the tokenizer thread if it was evicted)."""
+        name = jobs[0][0].adapter_id
+        if name is None:
+            return jobs
+        adapters = self.state.adapters
+        assert adapters is not None, "validation lets adapter ids through only when adapters are served"
+        try:
+            slot.adapter = await self.validate(adapters.acquire, name)
+        except AdapterBusy as error:
+            raise ApiError(429, str(error), "overloaded") from None
+        except AdapterError as error:
+            raise ApiError(422, str(error), "validation") from None
+        return [(replace(request, adapter=slot.adapter), seed) for request, seed in jobs]
+
     def started(self, record: RequestRecord, request: GenerationRequest) -> None:
         """The request passed validation and goes to the engine."""
         record.validation_seconds = time.monotonic() - record.started_monotonic
@@ -434,6 +463,7 @@ class Generation:
         record = record_of(req)
         try:
             self.started(record, request)
+            jobs = await self.pin_adapter(slot, jobs)
             results = await self.run_to_end(req, jobs)
         except ApiError as error:
             self.finished(record, None, error.message, error.error_type)
@@ -468,6 +498,7 @@ class Generation:
         slot = self.state.take_slot()
         record = record_of(req)
         try:
+            ((request, _),) = await self.pin_adapter(slot, [(request, None)])
             self.started(record, request)
             channel = Channel()
             seq = engine.submit(request, channel.sink, backlog=channel.backlog)
@@ -542,8 +573,9 @@ class Generation:
         channel = Channel()
         seqs: list[Sequence] = []
         try:
+            jobs = await self.pin_adapter(slot, job.sequences())
             self.started(record, job.requests[0])
-            for i, (request, seed) in enumerate(job.sequences()):
+            for i, (request, seed) in enumerate(jobs):
                 seqs.append(engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed,
                                           backlog=channel.backlog))
         except BaseException:
@@ -657,6 +689,43 @@ class QueueRoute:
                       "scheduler": self.state.config.scheduler, **view}
 
 
+class AdaptersRoute:
+    """``GET /adapters``: the LoRA adapters known and in memory. ``POST /adapters``
+    ``{"id": ..., "path": ...}`` loads one while serving (behind ``--api-key``; ``path`` may be
+    omitted for an id in the local Hugging Face cache)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def cache(self) -> AdapterCache:
+        self.state.ready_engine()
+        if self.state.adapters is None:
+            raise ApiError(404, "this server serves no LoRA adapters: start it with --lora-adapters or "
+                                "--lora-cache-limit", "not_found")
+        return self.state.adapters
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        cache = self.cache()
+        resp.media = {"adapters": cache.names, **cache.usage()}
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        cache = self.cache()
+        body = await read_json(req, self.state.config.payload_limit)
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(
+                body.get("path", body.get("id")), str):
+            raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")
+        name, source = body["id"], body.get("path", body["id"])
+        try:
+            adapter = await asyncio.get_running_loop().run_in_executor(
+                self.state.tokenizer_thread, cache.register, name, source)
+        except AdapterBusy as error:
+            raise ApiError(429, str(error), "overloaded") from None
+        except AdapterError as error:
+            raise ApiError(422, str(error), "validation") from None
+        resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),
+                      "path": str(adapter.path)}
+
+
 class HealthRoute:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -703,6 +772,7 @@ class InfoRoute:
             "kv_allocator": state.chosen.kv_allocator.name if state.chosen else config.kv_allocator,
             "block_size": state.chosen.block_size if state.chosen and state.chosen.backend.kv_layout == "paged" else None,
             "kv": state.engine.runner.kv_usage() if state.engine else None,
+            "lora_adapters": state.adapters.names if state.adapters is not None else None,
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
             "load_stages": state.stages.done,
@@ -801,6 +871,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
+    app.add_route("/adapters", AdaptersRoute(state))
     if config.enable_profiling:
         app.add_route("/debug/profile", ProfileRoute())
     errors = ErrorHandlers(state)

@@ -20,6 +20,7 @@ from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
+from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError
 from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
 from tokenmill.quant_linears import read_quantization_config
 
@@ -33,6 +34,8 @@ class Started:
     chosen: Chosen
     vocab_size: int
     """Rows of the model's input embeddings: token ids must stay below it."""
+    adapters: AdapterCache | None = None
+    """The LoRA adapters, when the server serves them."""
 
 
 def _readers_of(pm: pluggy.PluginManager, method: str) -> list[str]:
@@ -83,6 +86,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     if config.prepack_weights and packing_unavailable_reason(loaded.model) is None:
         packed = stages.run("packing weights", lambda: pack_linears(loaded.model), detail="oneDNN layout for CPU")
         log.info("packed %d linear layers for oneDNN", packed)
+    adapters = load_adapters(config, loaded, stages) if config.lora_enabled else None
     model_config = loaded.model.config
     context = getattr(model_config, "max_position_embeddings", None)
     paged = chosen.backend.kv_layout == "paged"  # type: ignore[attr-defined]
@@ -129,7 +133,26 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
-    return Started(engine, loaded, chosen, vocab_size)
+    return Started(engine, loaded, chosen, vocab_size, adapters)
+
+
+def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> AdapterCache:
+    """Wrap the model's layers for LoRA and load the adapters --lora-adapters names."""
+    from tokenmill import lora
+
+    named = lora.parse_adapter_list(config.lora_adapters)
+
+    def load() -> AdapterCache:
+        try:
+            cache = AdapterCache(lora.install(loaded.model), config.adapter_slots, config.max_lora_rank,
+                                 loaded.dtype, loaded.device)
+            for name, source in named:
+                cache.register(name, source)
+        except (AdapterError, AdapterBusy) as error:
+            raise ModelLoadError(str(error)) from None
+        return cache
+
+    return stages.run("loading adapters", load, detail=", ".join(name for name, _ in named) or "none yet")
 
 
 def fit_backend(pm: pluggy.PluginManager, config: Config, chosen: Chosen, model: Any) -> Chosen:

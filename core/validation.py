@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 from tokenmill.config import Config
 from tokenmill.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
@@ -101,19 +102,38 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
 class Validator:
     """Checks requests against the loaded model and the server's limits."""
 
-    def __init__(self, tokenizer: Any, config: Config, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, config: Config, vocab_size: int,
+                 adapter_names: Callable[[], list[str]] | None = None, model_id: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.adapter_names = adapter_names
+        """The LoRA adapters served now (None: the server serves none)."""
+        self.model_id = model_id
+        """The base model's id, which as ``adapter_id`` means no adapter."""
 
     def generate(self, inputs: str, params: dict[str, Any], stream: bool, *, add_special_tokens: bool = True,
                  max_top_n: int | None = None, grammar: Grammar | None = None) -> GenerationRequest:
         """A GenerationRequest for the engine, or ValidationError with TGI's message. The OpenAI
         routes pass a rendered chat prompt (its special tokens already in the text), their own
         top-logprobs limit, and the grammar they compiled for tools."""
-        return validate_generate(inputs, params, self.tokenizer, self.config, stream, self.vocab_size,
-                                 self.grammars, add_special_tokens, max_top_n, grammar)
+        request = validate_generate(inputs, params, self.tokenizer, self.config, stream, self.vocab_size,
+                                    self.grammars, add_special_tokens, max_top_n, grammar)
+        adapter_id = self.adapter(params.get("adapter_id"), "adapter_id")
+        return replace(request, adapter_id=adapter_id) if adapter_id else request
+
+    def adapter(self, requested: Any, field_name: str) -> str | None:
+        """The adapter a request names (None for the base model), or ValidationError listing the known ones."""
+        if requested in (None, "") or requested == self.model_id:
+            return None
+        known = self.adapter_names() if self.adapter_names is not None else []
+        if requested in known:
+            return str(requested)
+        if self.adapter_names is None:
+            raise ValidationError(f"`{field_name}`: this server serves no LoRA adapters (start it with --lora-adapters)")
+        raise ValidationError(f"`{field_name}`: unknown adapter {requested!r}; known: "
+                              f"{', '.join(known) or 'none yet (POST /adapters loads one)'}")
 
 
 def validate_generate(
@@ -164,9 +184,6 @@ def validate_generate(
     priority = params.get("priority", "normal")
     if priority not in PRIORITY_CLASSES:
         raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")
-    if params.get("adapter_id") not in (None, ""):
-        raise ValidationError("`adapter_id`: this server serves no LoRA adapters")
-
     if inputs == "":
         raise ValidationError("`inputs` cannot be empty")
     input_ids = list(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])

@@ -20,6 +20,7 @@ import tokenmill
 from tokenmill.accelerators import flash_attn_unavailable_reason
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput, StepOutput
 from tokenmill.kv_memory import model_kv_shape
+from tokenmill.lora import adapter_rows
 from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
@@ -98,7 +99,8 @@ class PagedRunner(BackendRunner):
         wants = list(want_prompt_logits) + [False] * len(decode)
         keep = [torch.arange(start, start + n) if want else torch.tensor([start + n - 1])
                 for start, n, want in zip(step.query_starts, lengths, wants)]
-        logits = self._forward(input_ids, positions, step, torch.cat(keep))
+        with adapter_rows(self.model, prefill + decode, lengths):
+            logits = self._forward(input_ids, positions, step, torch.cat(keep))
         last_rows = torch.cumsum(torch.tensor([len(k) for k in keep]), 0) - 1
         prefill_out = None
         if prefill:

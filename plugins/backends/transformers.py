@@ -15,6 +15,7 @@ import torch
 
 import tokenmill
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
+from tokenmill.lora import adapter_rows
 from tokenmill.sequence import Sequence
 
 
@@ -89,14 +90,15 @@ class TransformersRunner(BackendRunner):
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self.kv.new_cache(self.model.config)
         keep_all = any(want_prompt_logits)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=_positions(mask),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if keep_all else 1,
-        )
+        with adapter_rows(self.model, seqs, [ids.shape[1]] * len(seqs)):  # each row, padding included
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=_positions(mask),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if keep_all else 1,
+            )
         logits = out.logits
         result = PrefillOutput(
             last_logits=logits[:, -1, :].float().cpu(),
@@ -131,14 +133,15 @@ class TransformersRunner(BackendRunner):
         by_id = {s.id: s for s in seqs}
         last = torch.tensor([[by_id[row].last_token] for row in self.rows], dtype=torch.long, device=self.device)
         mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
-        out = self.model(
-            input_ids=last,
-            attention_mask=mask,
-            position_ids=mask.sum(-1, keepdim=True) - 1,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with adapter_rows(self.model, [by_id[row] for row in self.rows], [1] * len(self.rows)):
+            out = self.model(
+                input_ids=last,
+                attention_mask=mask,
+                position_ids=mask.sum(-1, keepdim=True) - 1,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.mask = mask
         logits = out.logits[:, -1, :].float().cpu()
         order = torch.tensor([self.rows.index(s.id) for s in seqs], dtype=torch.long)

@@ -1,0 +1,305 @@
+"""LoRA adapters over one base model: many fine-tunes served from one set of base weights.
+
+- :func:`install` wraps the base model's linear layers in :class:`LoraLinear` once, at start.
+- An :class:`Adapter` is a PEFT checkpoint's low-rank pairs (A, B) and scale, read by
+  :func:`read_peft_adapter`, which refuses one that does not fit the base model.
+- :class:`AdapterCache` knows every adapter by name and keeps at most ``--lora-cache-limit`` of
+  them in memory, least recently used first out; a request pins its adapter while it runs, and a
+  pinned adapter is never evicted.
+- Each forward pass, :func:`adapter_rows` tells the wrapped layers which rows (tokens) of the
+  batch belong to which adapter: every layer adds ``scale * x B^T A^T`` to those rows only
+  (gathered per adapter, never merged into the base weights), so sequences with different
+  adapters, and none, share one batch step on either backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder layers' linear layers that adapters may target (PEFT's names for Llama-style models)."""
+
+PEFT_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message says which and why, in one line."""
+
+
+class AdapterBusy(RuntimeError):
+    """Every cache slot holds an adapter that running requests use: none can be evicted now."""
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    a: torch.Tensor
+    """[rank, in_features]"""
+    b: torch.Tensor
+    """[out_features, rank]"""
+    scale: float
+
+
+@dataclass(eq=False)
+class Adapter:
+    name: str
+    path: Path
+    rank: int
+    layers: dict[str, LoraPair]
+    """By the wrapped layer's module path (``model.layers.0.self_attn.q_proj``)."""
+    users: int = 0
+    """Requests that run with it now (pins)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in self.layers.values())
+
+
+@dataclass
+class LoraBatch:
+    """What the wrapped layers apply during the current forward pass: for each adapter in the
+    batch, the flattened rows (tokens) that use it. Empty: the layers are the base model's."""
+
+    segments: list[tuple[Adapter, torch.Tensor]] = field(default_factory=list)
+    layers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Each wrapped layer's (in_features, out_features), by module path."""
+
+
+class LoraLinear(nn.Module):
+    """A base linear layer (plain, packed or quantized) plus the low-rank updates of the adapters
+    that the rows of the batch use."""
+
+    def __init__(self, base: nn.Module, path: str, batch: LoraBatch) -> None:
+        super().__init__()
+        self.base = base
+        self.path = path
+        self.batch = batch
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.batch.segments:
+            return y
+        rows_in = x.reshape(-1, self.in_features)
+        out = y.reshape(-1, self.out_features)
+        for adapter, rows in self.batch.segments:
+            pair = adapter.layers.get(self.path)
+            if pair is not None:
+                update = (rows_in.index_select(0, rows) @ pair.a.t()) @ pair.b.t()
+                out.index_add_(0, rows, update.to(out.dtype), alpha=pair.scale)
+        return out.view(y.shape)
+
+
+def install(model: nn.Module) -> LoraBatch:
+    """Wrap every targetable linear layer of ``model`` (once); the model then serves adapters."""
+    existing = getattr(model, "tokenmill_lora", None)
+    if existing is not None:
+        return existing
+    batch = LoraBatch()
+    targets = [(name, module) for name, module in model.named_modules()
+               if name.rpartition(".")[2] in TARGETABLE and hasattr(module, "in_features")]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, LoraLinear(module, name, batch))
+        batch.layers[name] = (module.in_features, module.out_features)
+    if not targets:
+        raise AdapterError(f"the model has none of the layers LoRA adapters target ({', '.join(TARGETABLE)})")
+    model.tokenmill_lora = batch  # type: ignore[assignment]
+    return batch
+
+
+@contextmanager
+def adapter_rows(model: nn.Module, seqs: Sequence[Any], tokens: Sequence[int]) -> Iterator[None]:
+    """For one forward pass over ``seqs`` whose tokens are laid out one after the other,
+    ``tokens[i]`` of them for ``seqs[i]`` (a padded row counts its padding): route each
+    sequence's rows through its request's adapter. Does nothing for a model without adapters
+    or a batch that uses none."""
+    batch: LoraBatch | None = getattr(model, "tokenmill_lora", None)
+    adapters = [getattr(seq.request, "adapter", None) for seq in seqs]
+    if batch is None or not any(adapters):
+        yield
+        return
+    rows: dict[int, tuple[Adapter, list[int]]] = {}
+    start = 0
+    for adapter, count in zip(adapters, tokens):
+        if adapter is not None:
+            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
+        start += count
+    device = next(model.parameters()).device
+    batch.segments = [(adapter, torch.tensor(indices, dtype=torch.long, device=device))
+                      for adapter, indices in rows.values()]
+    try:
+        yield
+    finally:
+        batch.segments = []
+
+
+def read_peft_adapter(name: str, path: Path, layers: dict[str, tuple[int, int]], max_rank: int,
+                      dtype: torch.dtype, device: torch.device) -> Adapter:
+    """A PEFT LoRA checkpoint (``adapter_config.json`` + ``adapter_model.safetensors``) as an
+    :class:`Adapter` for a base model whose wrapped layers have the shapes in ``layers``."""
+    from safetensors.torch import load_file
+
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json and adapter_model.safetensors "
+                           "(a PEFT LoRA checkpoint)")
+    config = json.loads(config_file.read_text())
+    refusal = unsupported_peft_option(config)
+    if refusal:
+        raise AdapterError(f"adapter {name!r}: {refusal}")
+    alpha, rank = float(config.get("lora_alpha", 8)), int(config["r"])
+    scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+    tensors = load_file(str(weights_file))
+    pairs: dict[str, LoraPair] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = tensors.get(key.replace(".lora_A.weight", ".lora_B.weight"))
+        if module not in layers or b is None:
+            raise AdapterError(f"adapter {name!r} adapts {module}, which is not a linear layer of this base model "
+                               "(was it trained for another model?)")
+        in_features, out_features = layers[module]
+        if a.shape[1] != in_features or b.shape[0] != out_features or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"adapter {name!r}: {module} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}, but the "
+                               f"base layer is {in_features} -> {out_features}: it was trained for another base model")
+        if a.shape[0] > max_rank:
+            raise AdapterError(f"adapter {name!r} has rank {a.shape[0]} on {module}, above --max-lora-rank {max_rank}")
+        pairs[module] = LoraPair(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), scale)
+    if not pairs:
+        raise AdapterError(f"adapter {name!r}: {weights_file.name} holds no LoRA weights")
+    return Adapter(name, path, rank, pairs)
+
+
+def unsupported_peft_option(config: dict[str, Any]) -> str | None:
+    if config.get("peft_type", "LORA") != "LORA":
+        return f"it is a {config.get('peft_type')} adapter; only LoRA is served"
+    for option in ("use_dora", "fan_in_fan_out"):
+        if config.get(option):
+            return f"{option} is not supported"
+    if config.get("bias", "none") != "none":
+        return "adapters that train biases are not supported"
+    if config.get("modules_to_save"):
+        return "modules_to_save (fully trained layers) are not supported"
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        return "per-layer rank_pattern / alpha_pattern are not supported"
+    return None
+
+
+def parse_adapter_list(text: str | None) -> list[tuple[str, str]]:
+    """``--lora-adapters``: ``id`` (a hub id in the local HF cache) or ``id=path``, comma-separated."""
+    pairs = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if item:
+            name, _, source = item.partition("=")
+            pairs.append((name.strip(), source.strip() or name.strip()))
+    return pairs
+
+
+def locate(source: str) -> Path:
+    """A local adapter directory, or a hub id's snapshot already in the local Hugging Face cache."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, local_files_only=True))
+    except Exception as error:  # noqa: BLE001 - any failure means: not available offline
+        raise AdapterError(f"adapter {source!r} is not a local directory and not in the local Hugging Face cache "
+                           f"({type(error).__name__})") from None
+
+
+@dataclass
+class CacheStats:
+    loads: int = 0
+    evictions: int = 0
+
+
+class AdapterCache:
+    """Every adapter the server knows (by name, with where to load it from) and the at most
+    ``limit`` of them in memory. Thread-safe: requests pin adapters from the HTTP side."""
+
+    def __init__(self, batch: LoraBatch, limit: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.batch = batch
+        self.limit = limit
+        self.max_rank = max_rank
+        self.dtype, self.device = dtype, device
+        self.sources: dict[str, Path] = {}
+        self.loaded: OrderedDict[str, Adapter] = OrderedDict()
+        """Least recently used first."""
+        self.stats = CacheStats()
+        self.lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.sources)
+
+    def register(self, name: str, source: str) -> Adapter:
+        """Learn an adapter and load it now (so that a bad one is refused at once); it may be
+        evicted later and is then reloaded on demand."""
+        if not name or "=" in name or "," in name:
+            raise AdapterError(f"adapter id {name!r} must be a non-empty name without '=' or ','")
+        path = locate(source)
+        adapter = read_peft_adapter(name, path, self.batch.layers, self.max_rank, self.dtype, self.device)
+        with self.lock:
+            if name in self.sources and self.sources[name] != path:
+                raise AdapterError(f"adapter {name!r} is already loaded from {self.sources[name]}")
+            self.sources[name] = path
+            if name not in self.loaded:
+                self._make_room()
+                self.loaded[name] = adapter
+                self.stats.loads += 1
+            log.info("adapter %s: rank %d on %d layers from %s", name, adapter.rank, len(adapter.layers), path)
+            return self.loaded[name]
+
+    def acquire(self, name: str) -> Adapter:
+        """Pin ``name`` for a request (loading it if it was evicted); raises AdapterBusy when every
+        slot is pinned. Give it back with :meth:`release`."""
+        with self.lock:
+            adapter = self.loaded.get(name)
+            if adapter is None:
+                if name not in self.sources:
+                    raise AdapterError(f"unknown adapter {name!r}")
+                self._make_room()
+                adapter = read_peft_adapter(name, self.sources[name], self.batch.layers, self.max_rank, self.dtype,
+                                            self.device)
+                self.loaded[name] = adapter
+                self.stats.loads += 1
+            self.loaded.move_to_end(name)
+            adapter.users += 1
+            return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        with self.lock:
+            adapter.users -= 1
+
+    def _make_room(self) -> None:
+        """Evict least recently used adapters that no request uses until one more fits."""
+        while len(self.loaded) >= self.limit:
+            idle = next((name for name, adapter in self.loaded.items() if adapter.users == 0), None)
+            if idle is None:
+                raise AdapterBusy(f"all {self.limit} adapter slots (--lora-cache-limit) are in use by running requests")
+            del self.loaded[idle]
+            self.stats.evictions += 1
+            log.info("adapter %s evicted (least recently used)", idle)
+
+    def usage(self) -> dict[str, Any]:
+        with self.lock:
+            return {"known": len(self.sources), "loaded": list(self.loaded), "limit": self.limit,
+                    "bytes": sum(a.nbytes for a in self.loaded.values()), "loads": self.stats.loads,
+                    "evictions": self.stats.evictions}

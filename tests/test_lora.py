@@ -1,0 +1,218 @@
+"""LoRA adapters: PEFT checkpoints served over one base model, mixed in one batch, cached within a limit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from conftest import RunningServer, start_server
+from engine_helpers import PROMPTS, reference_greedy
+
+peft = pytest.importorskip("peft", reason="the LoRA tests make their adapters with peft")
+
+NEW_TOKENS = 12
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_dir: Path, target: Path, seed: int, rank: int = 8, config: Any = None) -> Path:
+    """A PEFT LoRA adapter on the model in ``base_dir`` (or a random model of ``config``) with
+    random, non-zero A and B."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32) if config is None else \
+        AutoModelForCausalLM.from_config(config)
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(target)
+    return target
+
+
+def merged_greedy(base_dir: Path, adapter_dir: Path | None, tokenizer: Any, prompt: str) -> list[int]:
+    """What peft's merged model generates greedily (the base model's when ``adapter_dir`` is None)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    return reference_greedy(model.eval(), tokenizer, prompt, NEW_TOKENS, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {f"ad{i}": make_adapter(tiny_model_dir, root / f"ad{i}", seed=100 + i) for i in range(5)}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, tiny_model, adapters) -> dict[str | None, list[int]]:
+    """peft's merged-model tokens for PROMPTS[1], per adapter (None: the base model)."""
+    _, tokenizer = tiny_model
+    names: list[str | None] = [None, "ad0", "ad1", "ad2"]
+    return {name: merged_greedy(tiny_model_dir, adapters[name] if name else None, tokenizer, PROMPTS[1])
+            for name in names}
+
+
+@pytest.fixture(scope="module", params=["transformers", "paged"])
+def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator[RunningServer]:
+    listed = ",".join(f"{name}={adapters[name]}" for name in ("ad0", "ad1", "ad2"))
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+                           "--backend", request.param, "--lora-adapters", listed, "--max-lora-rank", "16"],
+                          tmp_path_factory.mktemp("lora"))
+    yield server
+    server.stop()
+
+
+def greedy(server: RunningServer, adapter: str | None, prompt: str = PROMPTS[1]) -> list[int]:
+    parameters: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "details": True}
+    if adapter is not None:
+        parameters["adapter_id"] = adapter
+    with server.client() as client:
+        answer = client.post("/generate", json={"inputs": prompt, "parameters": parameters})
+    assert answer.status_code == 200, answer.text
+    return [token["id"] for token in answer.json()["details"]["tokens"]]
+
+
+def test_each_adapter_generates_what_peft_merged_model_does(lora_server, expected):
+    for name in ("ad0", "ad1", "ad2"):
+        assert greedy(lora_server, name) == expected[name], name
+    assert len({tuple(tokens) for tokens in expected.values()}) == 4  # the adapters really change the output
+
+
+def test_no_adapter_or_the_base_model_id_means_the_base_model(lora_server, expected, tiny_model_dir):
+    assert greedy(lora_server, None) == expected[None]
+    assert greedy(lora_server, str(tiny_model_dir)) == expected[None]
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_model_gives_each_its_own_tokens(lora_server, expected):
+    names = [None, "ad0", "ad1", "ad2"] * 3
+    with ThreadPoolExecutor(len(names)) as pool:
+        outputs = list(pool.map(lambda name: greedy(lora_server, name), names))
+    for name, tokens in zip(names, outputs):
+        assert tokens == expected[name], name
+
+
+def test_openai_model_names_the_adapter_and_v1_models_lists_them(lora_server, expected, tiny_model):
+    _, tokenizer = tiny_model
+    with lora_server.client() as client:
+        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        completion = client.post("/v1/completions", json={"model": "ad1", "prompt": PROMPTS[1],
+                                                         "max_tokens": NEW_TOKENS, "temperature": 0}).json()
+    assert models[1:] == ["ad0", "ad1", "ad2"]
+    assert completion["model"] == "ad1"
+    assert completion["choices"][0]["text"] == tokenizer.decode(expected["ad1"], skip_special_tokens=True)
+
+
+def test_an_unknown_adapter_is_a_422_that_lists_the_known_ones(lora_server):
+    with lora_server.client() as client:
+        answer = client.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "nope"}})
+    assert answer.status_code == 422
+    assert "unknown adapter 'nope'" in answer.json()["error"] and "ad0, ad1, ad2" in answer.json()["error"]
+
+
+def test_an_adapter_is_loaded_at_run_time_and_serves_at_once(lora_server, adapters, tiny_model_dir, tiny_model):
+    _, tokenizer = tiny_model
+    with lora_server.client() as client:
+        loaded = client.post("/adapters", json={"id": "late", "path": str(adapters["ad4"])})
+        assert loaded.status_code == 200 and loaded.json()["rank"] == 8
+        assert "late" in client.get("/adapters").json()["adapters"]
+    assert greedy(lora_server, "late") == merged_greedy(tiny_model_dir, adapters["ad4"], tokenizer, PROMPTS[1])
+
+
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_model_dir, tmp_path):
+    from transformers import LlamaConfig
+
+    other_base = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    wrong_shape = make_adapter(tiny_model_dir, tmp_path / "wrong", seed=1, config=other_base)
+    too_big = make_adapter(tiny_model_dir, tmp_path / "big", seed=2, rank=32)
+    with lora_server.client() as client:
+        shape = client.post("/adapters", json={"id": "wrong", "path": str(wrong_shape)})
+        rank = client.post("/adapters", json={"id": "big", "path": str(too_big)})
+        missing = client.post("/adapters", json={"id": "gone", "path": str(tmp_path / "nothing")})
+    assert shape.status_code == 422 and "trained for another base model" in shape.json()["error"]
+    assert rank.status_code == 422 and "above --max-lora-rank 16" in rank.json()["error"]
+    assert missing.status_code == 422 and "not a local directory" in missing.json()["error"]
+
+
+# ---- the bounded cache ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_cache_server(tiny_model_dir, adapters, tmp_path_factory) -> Iterator[RunningServer]:
+    listed = ",".join(f"{name}={path}" for name, path in adapters.items())
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+                           "--lora-adapters", listed, "--lora-cache-limit", "2", "--stream-buffer-tokens", "2"],
+                          tmp_path_factory.mktemp("lora-cache"))
+    yield server
+    server.stop()
+
+
+def cache_state(server: RunningServer) -> dict[str, Any]:
+    with server.client() as client:
+        return client.get("/adapters").json()
+
+
+def test_the_cache_limit_holds_while_requests_cycle_through_more_adapters_and_memory_stays_flat(
+        small_cache_server, expected):
+    import psutil
+
+    process = psutil.Process(small_cache_server.process.pid)
+    names = ["ad0", "ad1", "ad2", "ad3", "ad4"]
+
+    def cycle() -> None:
+        for name in names:
+            tokens = greedy(small_cache_server, name)
+            if name in expected:
+                assert tokens == expected[name], name  # reloaded after an eviction, still the same adapter
+            assert len(cache_state(small_cache_server)["loaded"]) <= 2
+
+    cycle()
+    cycle()
+    warmed = process.memory_info().rss
+    for _ in range(6):
+        cycle()
+    grown = process.memory_info().rss - warmed
+    state = cache_state(small_cache_server)
+    assert state["evictions"] >= 30 and state["loads"] >= 30
+    assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 30 adapter swaps"
+    with small_cache_server.client() as client:
+        metrics = client.get("/metrics").text
+    assert "tgi_lora_cache_size 2.0" in metrics
+
+
+def test_an_adapter_in_use_is_never_evicted(small_cache_server):
+    events: list[dict] = []
+
+    def slow_stream(name: str) -> None:
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 300, "adapter_id": name}}
+        with small_cache_server.client() as client, client.stream("POST", "/generate_stream", json=body) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                    time.sleep(0.01)
+
+    readers = [threading.Thread(target=slow_stream, args=(name,)) for name in ("ad0", "ad1")]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 60
+    while len(events) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with small_cache_server.client() as client:  # both slots pinned by running requests
+        busy = client.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "ad2"}})
+    assert busy.status_code == 429 and "in use" in busy.json()["error"]
+    assert sorted(cache_state(small_cache_server)["loaded"]) == ["ad0", "ad1"]
+    for reader in readers:
+        reader.join(120)
+    assert greedy(small_cache_server, "ad2")  # a slot is free again
