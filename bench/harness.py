@@ -215,13 +215,14 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "grammar", "quant", "shards"], default="quick",
+    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "grammar", "quant", "shards", "lora"], default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
                         + "; mixed: long and short requests under the fifo and priority schedulers"
                         + "; grammar: the cost per token of a JSON-schema constraint, on the engine"
                         + "; quant: each quantizer's memory, speed and quality on SmolLM2, on the engine"
-                        + "; shards: --num-shard 1 against 2, memory per rank and tokens/s")
+                        + "; shards: --num-shard 1 against 2, memory per rank and tokens/s"
+                        + "; lora: a batch mixing 4 LoRA adapters against the base model, on the engine")
     parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
     parser.add_argument("--setup-peers", action="store_true",
@@ -252,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
         from bench import shards
 
         return shards.main(rest)
+    if args.scenario == "lora":
+        from bench import lora
+
+        return lora.main(rest)
     if args.scenario == "mixed":
         from bench import mixed
 

@@ -20,12 +20,16 @@ from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 
 
 def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: int,
-        profile: str | None) -> dict[str, Any]:
+        profile: str | None, adapters: list[Any] | None = None) -> dict[str, Any]:
+    """Step ``engine`` until ``concurrency`` requests of ``new_tokens`` each are done; request i runs
+    with LoRA adapter ``adapters[i % len(adapters)]`` when adapters are given."""
     from tokenmill.sequence import GenerationRequest, SamplingParams
 
     finished: list[Any] = []
     for index in range(concurrency):
-        request = GenerationRequest("", prompt_ids[index % len(prompt_ids)], new_tokens, SamplingParams())
+        adapter = adapters[index % len(adapters)] if adapters else None
+        request = GenerationRequest("", prompt_ids[index % len(prompt_ids)], new_tokens, SamplingParams(),
+                                    adapter=adapter)
         engine.submit(request, lambda event: finished.append(event) if getattr(event, "final", None) else None)
     prefill: list[float] = []
     decode: list[float] = []

@@ -7,9 +7,17 @@
   them in memory, least recently used first out; a request pins its adapter while it runs, and a
   pinned adapter is never evicted.
 - Each forward pass, :func:`adapter_rows` tells the wrapped layers which rows (tokens) of the
-  batch belong to which adapter: every layer adds ``scale * x B^T A^T`` to those rows only
-  (gathered per adapter, never merged into the base weights), so sequences with different
-  adapters, and none, share one batch step on either backend.
+  batch belong to which adapter, so sequences with different adapters, and none, share one
+  batch step on either backend. The base weights are never touched: each layer adds
+  ``scale * x A^T B^T`` to each row, for that row's adapter only.
+
+How: the A matrices of the adapters in the batch are stacked (rank blocks side by side) and so
+are their B matrices, once per set of adapters; a mask keeps, in each row, only the rank block
+of that row's adapter. A layer then costs three operations whatever the number of adapters
+(``x @ A_all``, the mask, an add of ``@ B_all``), where applying each adapter to its own rows
+cost five per adapter: at batch 32 with 4 adapters that was 1.5x the base decode step, and
+is 1.1x this way. The rows multiply rank blocks they then mask out, which is cheap next to
+the base layer (ranks are small).
 """
 
 from __future__ import annotations
@@ -67,13 +75,45 @@ class Adapter:
 
 
 @dataclass
-class LoraBatch:
-    """What the wrapped layers apply during the current forward pass: for each adapter in the
-    batch, the flattened rows (tokens) that use it. Empty: the layers are the base model's."""
+class StackedAdapters:
+    """The adapters of a batch, side by side: per layer, ``A`` as [in, ranks] and ``scale * B``
+    as [ranks, out], zero blocks where an adapter leaves the layer alone."""
 
-    segments: list[tuple[Adapter, torch.Tensor]] = field(default_factory=list)
+    adapters: tuple[Adapter, ...]
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    offsets: list[int]
+    """Where each adapter's rank block starts; the last entry is the total rank."""
+
+
+@dataclass
+class LoraBatch:
+    """What the wrapped layers apply during the current forward pass (None: the base model alone)."""
+
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Each wrapped layer's (in_features, out_features), by module path."""
+    stacked: StackedAdapters | None = None
+    """The adapters of the current forward pass (kept while the next batch uses the same ones)."""
+    mask: torch.Tensor | None = None
+    """[rows, total rank] of the current forward pass: 1 where a row's adapter's block is."""
+
+    def stack(self, adapters: tuple[Adapter, ...], dtype: torch.dtype, device: torch.device) -> StackedAdapters:
+        if self.stacked is not None and self.stacked.adapters == adapters:
+            return self.stacked
+        offsets = [0]
+        for adapter in adapters:
+            offsets.append(offsets[-1] + adapter.rank)
+        weights = {}
+        for path, (in_features, out_features) in self.layers.items():
+            pairs = [adapter.layers.get(path) for adapter in adapters]
+            if not any(pairs):
+                continue
+            a_blocks = [p.a if p else torch.zeros(a.rank, in_features, dtype=dtype, device=device)
+                        for p, a in zip(pairs, adapters)]
+            b_blocks = [(p.b * p.scale).t() if p else torch.zeros(a.rank, out_features, dtype=dtype, device=device)
+                        for p, a in zip(pairs, adapters)]
+            weights[path] = (torch.cat(a_blocks).t().contiguous(), torch.cat(b_blocks).contiguous())
+        self.stacked = StackedAdapters(adapters, weights, offsets)
+        return self.stacked
 
 
 class LoraLinear(nn.Module):
@@ -90,15 +130,12 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.batch.segments:
+        mask, stacked = self.batch.mask, self.batch.stacked
+        if mask is None or stacked is None or self.path not in stacked.weights:
             return y
-        rows_in = x.reshape(-1, self.in_features)
+        a_all, b_all = stacked.weights[self.path]
         out = y.reshape(-1, self.out_features)
-        for adapter, rows in self.batch.segments:
-            pair = adapter.layers.get(self.path)
-            if pair is not None:
-                update = (rows_in.index_select(0, rows) @ pair.a.t()) @ pair.b.t()
-                out.index_add_(0, rows, update.to(out.dtype), alpha=pair.scale)
+        out.addmm_((x.reshape(-1, self.in_features) @ a_all) * mask, b_all)
         return out.view(y.shape)
 
 
@@ -127,23 +164,25 @@ def adapter_rows(model: nn.Module, seqs: Sequence[Any], tokens: Sequence[int]) -
     sequence's rows through its request's adapter. Does nothing for a model without adapters
     or a batch that uses none."""
     batch: LoraBatch | None = getattr(model, "tokenmill_lora", None)
-    adapters = [getattr(seq.request, "adapter", None) for seq in seqs]
-    if batch is None or not any(adapters):
+    per_seq = [getattr(seq.request, "adapter", None) for seq in seqs]
+    if batch is None or not any(per_seq):
         yield
         return
-    rows: dict[int, tuple[Adapter, list[int]]] = {}
+    parameter = next(model.parameters())
+    used = tuple(dict.fromkeys(adapter for adapter in per_seq if adapter is not None))
+    stacked = batch.stack(used, parameter.dtype, parameter.device)
+    mask = torch.zeros(sum(tokens), stacked.offsets[-1], dtype=parameter.dtype)
     start = 0
-    for adapter, count in zip(adapters, tokens):
+    for adapter, count in zip(per_seq, tokens):
         if adapter is not None:
-            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
+            block = used.index(adapter)
+            mask[start : start + count, stacked.offsets[block] : stacked.offsets[block + 1]] = 1
         start += count
-    device = next(model.parameters()).device
-    batch.segments = [(adapter, torch.tensor(indices, dtype=torch.long, device=device))
-                      for adapter, indices in rows.values()]
+    batch.mask = mask.to(parameter.device)
     try:
         yield
     finally:
-        batch.segments = []
+        batch.mask = None
 
 
 def read_peft_adapter(name: str, path: Path, layers: dict[str, tuple[int, int]], max_rank: int,

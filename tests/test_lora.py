@@ -12,31 +12,13 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from bench.lora import write_random_adapter
 from conftest import RunningServer, start_server
 from engine_helpers import PROMPTS, reference_greedy
 
 peft = pytest.importorskip("peft", reason="the LoRA tests make their adapters with peft")
 
 NEW_TOKENS = 12
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base_dir: Path, target: Path, seed: int, rank: int = 8, config: Any = None) -> Path:
-    """A PEFT LoRA adapter on the model in ``base_dir`` (or a random model of ``config``) with
-    random, non-zero A and B."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32) if config is None else \
-        AutoModelForCausalLM.from_config(config)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    model = peft.get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0.0, 0.2)
-    model.save_pretrained(target)
-    return target
 
 
 def merged_greedy(base_dir: Path, adapter_dir: Path | None, tokenizer: Any, prompt: str) -> list[int]:
@@ -52,7 +34,7 @@ def merged_greedy(base_dir: Path, adapter_dir: Path | None, tokenizer: Any, prom
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return {f"ad{i}": make_adapter(tiny_model_dir, root / f"ad{i}", seed=100 + i) for i in range(5)}
+    return {f"ad{i}": write_random_adapter(root / f"ad{i}", seed=100 + i, base_dir=tiny_model_dir) for i in range(5)}
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +117,8 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_
 
     other_base = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=24)
-    wrong_shape = make_adapter(tiny_model_dir, tmp_path / "wrong", seed=1, config=other_base)
-    too_big = make_adapter(tiny_model_dir, tmp_path / "big", seed=2, rank=32)
+    wrong_shape = write_random_adapter(tmp_path / "wrong", seed=1, config=other_base)
+    too_big = write_random_adapter(tmp_path / "big", seed=2, rank=32, base_dir=tiny_model_dir)
     with lora_server.client() as client:
         shape = client.post("/adapters", json={"id": "wrong", "path": str(wrong_shape)})
         rank = client.post("/adapters", json={"id": "big", "path": str(too_big)})
