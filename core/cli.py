@@ -26,6 +26,9 @@ PREFLIGHT_ERRORS = (ConfigError, PluginError, ModelLoadError, ShardingError, Tra
 
 def preflight(config: Config) -> None:
     """Fail before serving on what can be known without loading: plugin choices, model path."""
+    # This process may fork the server afterwards (gunicorn): ask NVML, not the CUDA runtime,
+    # whether there are GPUs, so that CUDA is not initialised before the fork.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     pm = build_plugin_manager()
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
     if config.quantize:

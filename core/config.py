@@ -126,6 +126,8 @@ class Config:
             raise ConfigError("LoRA adapters cannot shard yet: run them with --num-shard 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
+        if self.enable_profiling and not self.api_key:
+            raise ConfigError("--enable-profiling needs --api-key: a profile shows the server's insides")
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype!r})")
         for name in ("kv_memory_fraction", "cuda_memory_fraction"):
@@ -236,7 +238,7 @@ _HELP = {
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
     "graceful_termination_timeout": "after SIGTERM: seconds in-flight requests may take to finish (/health and new requests say 503 meanwhile) before they are ended with an error",
-    "api_key": "require `Authorization: Bearer <key>` on every route but /health, /info and /metrics (401 otherwise)",
+    "api_key": "require `Authorization: Bearer <key>` on every route but /health, /info, /metrics and /v1/models (401 otherwise)",
     "cors_allow_origin": "origins allowed to call the API from a browser, comma-separated, or * (default: no CORS headers)",
     "json_output": "log as JSON lines, each request's lines with its request id",
     "log_prompts": "include prompt text in the request log lines and traces (off: prompts never reach the logs)",
@@ -246,7 +248,7 @@ _HELP = {
     "lora_adapters": "LoRA adapters to serve, comma-separated: `id` (in the local HF cache) or `id=path` (a PEFT checkpoint directory); requests pick one with `adapter_id` (OpenAI routes: `model`)",
     "lora_cache_limit": "most LoRA adapters in memory; the least recently used idle one is evicted and reloaded when asked for again (default: 8, or as many as --lora-adapters names). Setting it also enables POST /adapters without --lora-adapters",
     "max_lora_rank": "largest LoRA rank an adapter may have",
-    "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy; behind --api-key)",
+    "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy and --api-key)",
     "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run)",
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",

@@ -43,7 +43,8 @@ from tokenmill.watermark import WatermarkProcessor
 log = logging.getLogger(__name__)
 
 StepObserver = Callable[[str, int, float, float, bool], None]
-"""(method "prefill" or "decode", sequences in the step, forward seconds, whole step seconds, succeeded)."""
+"""(method "prefill" or "decode", sequences prefilling in the step, forward seconds, whole step
+seconds, succeeded)."""
 
 
 @dataclass
@@ -280,17 +281,17 @@ class Engine:
             out = self.runner.step(prefilling, chunks, [wants_prompt_logits(s) for s in prefilling], decoding)
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
-            self._observe(method, len(plan) + len(decoding), started, started, ok=False)
+            self._observe(method, len(plan), started, started, ok=False)
             self._fail(prefilling + decoding, f"generation failed: {type(error).__name__}: {error}")
             return
         forwarded = time.perf_counter()
         self._sample(prefilling, chunks, decoding, out)
-        self._observe(method, len(plan) + len(decoding), started, forwarded, ok=out.prefill_error is None)
+        self._observe(method, len(plan), started, forwarded, ok=out.prefill_error is None)
 
-    def _observe(self, method: str, batch_size: int, started: float, forwarded: float, ok: bool) -> None:
+    def _observe(self, method: str, prefilling: int, started: float, forwarded: float, ok: bool) -> None:
         if self.step_observer is not None:
             ended = time.perf_counter()
-            self.step_observer(method, batch_size, forwarded - started, ended - started, ok)
+            self.step_observer(method, prefilling, forwarded - started, ended - started, ok)
 
     def _sample(self, prefilling: list[Sequence], chunks: list[int], decoding: list[Sequence], out: StepOutput) -> None:
         """Sample the step's tokens from its logits and hand them to their sequences."""

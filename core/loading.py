@@ -75,7 +75,7 @@ class Stages:
     def _ended(self, name: str, started: float, detail: str) -> None:
         seconds = time.perf_counter() - started
         self.done.append({"stage": name, "seconds": round(seconds, 3), "detail": detail})
-        log.info("load stage %s: %.2fs %s", name, seconds, detail)
+        log.info("load stage %s: %.2fs %s", name, seconds, detail, extra={"fields": self.done[-1]})
         if self.observer:
             self.observer(name, seconds, detail)
 

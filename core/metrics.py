@@ -68,7 +68,7 @@ class Metrics:
         self.decode_duration = Histogram("tgi_batch_decode_duration", "seconds per engine step spent after the "
                                          "forward: sampling, stop checks, detokenizing", ["method"],
                                          buckets=seconds, registry=r)
-        self.next_batch_size = Histogram("tgi_batch_next_size", "sequences in each engine step",
+        self.next_batch_size = Histogram("tgi_batch_next_size", "sequences joining the batch in a prefill step",
                                          buckets=[float(i + 1) for i in range(1024)], registry=r)
         self.input_length: Histogram | None = None
         self.generated_tokens: Histogram | None = None
@@ -107,15 +107,17 @@ class Metrics:
             self.generated_tokens.observe(record.generated_tokens)
             self.max_new_tokens.observe(record.max_new_tokens)
 
-    def step_finished(self, method: str, batch_size: int, forward_seconds: float, step_seconds: float,
+    def step_finished(self, method: str, prefilling: int, forward_seconds: float, step_seconds: float,
                       ok: bool) -> None:
-        """Called from the engine thread after each step that ran the model."""
+        """Called from the engine thread after each step that ran the model, with the number of
+        sequences it prefilled (TGI's next batch: the requests that joined)."""
         self.counters.inc("tgi_batch_inference_count", method)
         if not ok:
             self.counters.inc("tgi_batch_inference_failure", method)
             return
         self.counters.inc("tgi_batch_inference_success", method)
-        self.next_batch_size.observe(batch_size)
+        if prefilling:
+            self.next_batch_size.observe(prefilling)
         self.forward_duration.labels(method=method).observe(forward_seconds)
         self.step_duration.labels(method=method).observe(step_seconds)
         self.decode_duration.labels(method=method).observe(step_seconds - forward_seconds)
@@ -209,6 +211,7 @@ class LiveGauges(Collector):
 def serve_metrics(metrics: Metrics, host: str, port: int) -> Any:
     """``--prometheus-port``: ``GET /metrics`` on a port of its own, served from a daemon thread.
     Returns the server (``shutdown()`` stops it)."""
+    import socket
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class MetricsHandler(BaseHTTPRequestHandler):
@@ -226,7 +229,14 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> Any:
         def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
             pass
 
-    server = ThreadingHTTPServer((host, port), MetricsHandler)
+    class MetricsServer(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self.server_close()
+
+    server = MetricsServer((host, port), MetricsHandler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="tokenmill-metrics", daemon=True).start()
     return server

@@ -6,6 +6,7 @@ import hmac
 import re
 import time
 import uuid
+from typing import Callable
 
 import falcon.asgi
 
@@ -31,10 +32,12 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 class RequestContext:
     """Give each request an id (the client's ``X-Request-Id`` when it is sane, else a new one),
     echoed in the response and attached to every log line written while it is handled, and a
-    :class:`RequestRecord` for the generation routes (counted as they arrive)."""
+    :class:`RequestRecord` for the generation routes (counted as they arrive). While the server
+    drains, new generation requests get 503 and every response closes its connection."""
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: Telemetry, draining: Callable[[], bool]) -> None:
         self.telemetry = telemetry
+        self.draining = draining
 
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         given = req.get_header("X-Request-Id")
@@ -43,9 +46,18 @@ class RequestContext:
         request_id_var.set(request_id)
         resp.set_header("X-Request-Id", request_id)
         route = GENERATION_ROUTES.get(req.path) if req.method == "POST" else None
-        req.context.record = RequestRecord(request_id, route, time.time_ns(), time.monotonic()) if route else None
-        if req.context.record is not None:
-            self.telemetry.request_arrived(req.context.record)
+        if route is None:
+            req.context.record = None
+            return
+        req.context.record = req.scope["tokenmill.record"] = RequestRecord(request_id, route, time.time_ns())
+        self.telemetry.request_arrived(req.context.record)
+        if self.draining():
+            raise ApiError(503, "the server is shutting down", "unhealthy")
+
+    async def process_response(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource: object,
+                               req_succeeded: bool) -> None:
+        if self.draining():  # so that load balancers stop reusing connections to this server
+            resp.set_header("Connection", "close")
 
 
 class ApiKeyAuth:
@@ -64,11 +76,22 @@ class ApiKeyAuth:
             raise ApiError(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", "authentication")
 
 
-def cors_middleware(allow_origin: str) -> falcon.CORSMiddleware:
+class Cors(falcon.CORSMiddleware):
+    """Falcon's CORS, plus ``Vary: Origin`` where the answer depends on the origin, so that caches
+    do not hand one origin's answer to another."""
+
+    async def process_response_async(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource: object,
+                                     req_succeeded: bool) -> None:
+        self.process_response(req, resp, resource, req_succeeded)
+        if self.allow_origins != "*":
+            resp.append_header("Vary", "Origin")
+
+
+def cors_middleware(allow_origin: str) -> Cors:
     """``--cors-allow-origin``: ``*`` or a comma-separated list of origins."""
     origins = [o.strip() for o in allow_origin.split(",") if o.strip()]
-    return falcon.CORSMiddleware(
+    return Cors(
         allow_origins="*" if "*" in origins else origins,
-        expose_headers=["X-Request-Id", "X-Compute-Type", "X-Compute-Time", "X-Total-Time", "X-Validation-Time",
-                        "X-Queue-Time", "X-Inference-Time", "X-Time-Per-Token", "X-Prompt-Tokens",
-                        "X-Generated-Tokens"])
+        expose_headers=["X-Request-Id", "X-Compute-Type", "X-Compute-Time", "X-Compute-Characters", "X-Total-Time",
+                        "X-Validation-Time", "X-Queue-Time", "X-Inference-Time", "X-Time-Per-Token",
+                        "X-Prompt-Tokens", "X-Generated-Tokens"])

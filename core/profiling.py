@@ -17,22 +17,22 @@ MAX_SECONDS = 60
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, -1
 
 
-def allow_profiler_to_attach() -> None:
-    """Let a py-spy started by this process read it: under Yama's ptrace_scope 1 (most distributions)
-    a process may not trace its parent unless the parent says so."""
+def allow_tracing_by(tracer: int) -> None:
+    """Under Yama's ptrace_scope 1 (most distributions) a process may not trace its parent unless
+    the parent says so: let ``tracer`` (PR_SET_PTRACER_ANY: any process of this user; 0: none again)."""
     try:
-        ctypes.CDLL("libc.so.6").prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_PTRACER, tracer, 0, 0, 0)
     except OSError:
         pass
 
 
 class ProfileRoute:
-    """Samples every thread of the server (the engine's forward included) for ``seconds`` (1-60,
-    default 10) and answers the SVG. One profile at a time."""
+    """Samples every thread of the server (the engine's forward included, and threads that wait:
+    an idle server still gives a graph) for ``seconds`` (1-60, default 10) and answers the SVG.
+    One profile at a time."""
 
     def __init__(self) -> None:
         self.busy = asyncio.Lock()
-        allow_profiler_to_attach()
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         py_spy = shutil.which("py-spy")
@@ -54,12 +54,17 @@ class ProfileRoute:
 async def record_flame_graph(py_spy: str, seconds: int) -> bytes:
     with tempfile.TemporaryDirectory(prefix="tokenmill-profile-") as folder:
         output = Path(folder) / "profile.svg"
-        process = await asyncio.create_subprocess_exec(
-            py_spy, "record", "--pid", str(os.getpid()), "--duration", str(seconds), "--format", "flamegraph",
-            "--output", str(output), "--nonblocking",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        log, _ = await process.communicate()
+        allow_tracing_by(PR_SET_PTRACER_ANY)  # only while the profile records
+        try:
+            process = await asyncio.create_subprocess_exec(
+                py_spy, "record", "--pid", str(os.getpid()), "--duration", str(seconds), "--format", "flamegraph",
+                "--output", str(output), "--nonblocking", "--idle",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            log, _ = await process.communicate()
+        finally:
+            allow_tracing_by(0)
         if process.returncode != 0 or not output.exists():
-            detail = log.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise ApiError(500, f"py-spy failed: {detail[0]}", "profiling")
+            lines = log.decode(errors="replace").strip().splitlines()
+            detail = next((line for line in lines if line.startswith("Error")), lines[0] if lines else "no output")
+            raise ApiError(500, f"py-spy failed: {detail}", "profiling")
         return output.read_bytes()

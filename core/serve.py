@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 ARGS_VARIABLE = "TOKENMILL_ARGS"
 """The container's command-line flags, as a JSON list, from the entrypoint to gunicorn's worker."""
 
-SHUTDOWN_MARGIN_SECONDS = 15
-"""gunicorn waits this much longer than the drain before it kills the worker."""
+SHUTDOWN_MARGIN_SECONDS = 30
+"""gunicorn waits this much longer than the drain before it kills the worker: enough for the
+engine's last step, the requests' error answers, uvicorn closing connections and the lifespan
+shutdown (see ``server.ENGINE_STOP_SECONDS``)."""
 
 
 class DrainingServer(uvicorn.Server):

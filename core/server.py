@@ -9,6 +9,7 @@ engine thread pushes events into a per-request asyncio queue through
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from dataclasses import replace
 import os
@@ -48,6 +49,12 @@ from tokenmill.validation import ValidationError, Validator, parse_body
 log = logging.getLogger(__name__)
 
 DISCONNECTED = object()
+
+ENGINE_STOP_SECONDS = 10.0
+"""After the grace period: how long the engine's current step may take to end."""
+ANSWER_SECONDS = 5.0
+"""... and how long the requests then get to write their error. With uvicorn's own 5 s for
+connections this bounds the time after the grace period (``serve.SHUTDOWN_MARGIN_SECONDS``)."""
 
 
 class Slot:
@@ -90,7 +97,7 @@ class ServerState:
         self.draining = False
         """Set by SIGTERM: /health and new requests say 503 while those in flight finish."""
         self.metrics = Metrics(self.live_snapshot)
-        self.telemetry = Telemetry(self.metrics, log_prompts=config.log_prompts)
+        self.telemetry = Telemetry(self.metrics)
         # Tokenizing a long prompt takes milliseconds: do it off the event loop, on one thread
         # because a fast tokenizer must not be used from two threads at once.
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
@@ -159,8 +166,6 @@ class ServerState:
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
     def ready_engine(self) -> Engine:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down", "unhealthy")
         if self.shard_failure is not None:
             raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
         if self.engine is None:
@@ -175,15 +180,16 @@ class ServerState:
         or until ``now`` is set (a second signal); then end the rest with an error (a stream's last
         event) and wait until their responses are written."""
         self.draining = True
-        log.info("draining: %d requests in flight, up to %gs to finish", self.in_flight, grace)
+        telemetry = self.telemetry
+        log.info("draining: %d requests in flight, up to %gs to finish", telemetry.open_requests, grace)
         deadline = time.monotonic() + grace
-        while self.in_flight and not now.is_set() and time.monotonic() < deadline:
+        while telemetry.open_requests and not now.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight and self.engine is not None:
-            log.warning("ending %d requests still in flight", self.in_flight)
-            await asyncio.to_thread(self.engine.stop)
-            deadline = time.monotonic() + 5.0
-            while self.in_flight and time.monotonic() < deadline:
+        if telemetry.open_requests and self.engine is not None:
+            log.warning("ending %d requests still in flight", telemetry.open_requests)
+            await asyncio.to_thread(self.engine.stop, ENGINE_STOP_SECONDS)
+            deadline = time.monotonic() + ANSWER_SECONDS
+            while telemetry.open_requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         log.info("drained")
 
@@ -270,10 +276,12 @@ async def watch_receive(req: falcon.asgi.Request) -> None:
 
 
 class DisconnectWatch:
-    """ASGI wrapper: tells registered callbacks the moment ``http.disconnect`` arrives."""
+    """ASGI wrapper: tells registered callbacks the moment ``http.disconnect`` arrives, and reports
+    a generation request whose handling ended without reporting it (its task was cancelled)."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], state: ServerState) -> None:
         self.app = app
+        self.state = state
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Any) -> None:
         if scope["type"] != "http":
@@ -291,7 +299,14 @@ class DisconnectWatch:
 
         scope["tokenmill.on_disconnect"] = callbacks
         scope["tokenmill.receive"] = watched_receive
-        await self.app(scope, watched_receive, send)
+        scope["tokenmill.state"] = self.state
+        try:
+            await self.app(scope, watched_receive, send)
+        finally:
+            record = scope.get("tokenmill.record")
+            if record is not None and not record.finished:
+                record.error, record.error_type = "the request ended without an answer", "cancelled"
+                self.state.telemetry.request_finished(record)
 
 
 # ---- JSON shapes (TGI's) --------------------------------------------------------------
@@ -340,8 +355,10 @@ def record_of(req: falcon.asgi.Request) -> RequestRecord:
     plugin's route that generates)."""
     record = getattr(req.context, "record", None)
     if record is None:
-        record = req.context.record = RequestRecord(req.context.request_id, req.path.strip("/") or "generate",
-                                                    time.time_ns())
+        record = req.context.record = req.scope["tokenmill.record"] = RequestRecord(
+            req.context.request_id, req.path.strip("/") or "generate", time.time_ns())
+        state: ServerState = req.scope["tokenmill.state"]
+        state.telemetry.request_arrived(record)
     return record
 
 
@@ -378,8 +395,10 @@ class Generation:
         return self.state.loaded.device.type
 
     async def validate(self, check: Callable[..., Any], *args: Any) -> Any:
-        """Run ``check(*args)`` on the tokenizer thread (tokenizing and compiling grammars take milliseconds)."""
-        return await asyncio.get_running_loop().run_in_executor(self.state.tokenizer_thread, check, *args)
+        """Run ``check(*args)`` on the tokenizer thread (tokenizing and compiling grammars take milliseconds),
+        in this request's context (its log lines carry its id)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.state.tokenizer_thread, contextvars.copy_context().run, check, *args)
 
     async def run_to_end(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
                          ) -> list[FinalResult]:
@@ -427,25 +446,25 @@ class Generation:
             raise ApiError(422, str(error), "validation") from None
         return [(replace(request, adapter=slot.adapter), seed) for request, seed in jobs]
 
-    def started(self, record: RequestRecord, request: GenerationRequest) -> None:
-        """The request passed validation and goes to the engine."""
+    def started(self, record: RequestRecord, requests: list[GenerationRequest]) -> None:
+        """The request (one or, for a list of prompts, several) passed validation and goes to the engine."""
+        request = requests[0]
         record.validation_seconds = time.monotonic() - record.started_monotonic
-        record.input_tokens = len(request.input_ids)
+        record.input_tokens = sum(len(r.input_ids) for r in requests)
         record.max_new_tokens = request.max_new_tokens
         record.parameters = request.parameters
-        record.inputs = request.inputs
+        record.inputs = request.inputs if self.state.config.log_prompts else None
         self.state.pm.hook.tokenmill_request_started(
             request_id=record.request_id, inputs=request.inputs, parameters=request.parameters)
 
     def finished(self, record: RequestRecord, result: FinalResult | None, error: str | None = None,
-                 error_type: str | None = None, generated_tokens: int | None = None) -> None:
-        """The request ended: ``result`` (its best or first sequence's) on success, else the error.
-        ``generated_tokens`` counts all its sequences when there are several."""
+                 error_type: str | None = None, generated_tokens: int = 0) -> None:
+        """The request ended: ``result`` (its best or first sequence's, as TGI reports ``best_of``) on
+        success, else the error and the ``generated_tokens`` it had produced."""
         if result is not None:
             record.queue_seconds, record.inference_seconds = result.queue_seconds, result.inference_seconds
             record.finish_reason = result.finish_reason
-        record.generated_tokens = generated_tokens if generated_tokens is not None else (
-            result.generated_tokens if result is not None else 0)
+        record.generated_tokens = result.generated_tokens if result is not None else generated_tokens
         if error is not None:
             record.error, record.error_type = error, error_type or "generation"
         self.state.telemetry.request_finished(record)
@@ -456,13 +475,13 @@ class Generation:
             error=error,
         )
 
-    async def run_tracked(self, req: falcon.asgi.Request, request: GenerationRequest,
-                          jobs: list[tuple[GenerationRequest, int | None]]) -> list[FinalResult]:
+    async def run_tracked(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+                          ) -> list[FinalResult]:
         """``run_to_end`` holding one concurrency slot, reported when it ends."""
         slot = self.state.take_slot()
         record = record_of(req)
         try:
-            self.started(record, request)
+            self.started(record, list({id(request): request for request, _ in jobs}.values()))  # each prompt once
             jobs = await self.pin_adapter(slot, jobs)
             results = await self.run_to_end(req, jobs)
         except ApiError as error:
@@ -473,13 +492,12 @@ class Generation:
             raise
         finally:
             slot.release()
-        self.finished(record, max(results, key=lambda r: r.logprob_sum()),
-                      generated_tokens=sum(r.generated_tokens for r in results))
+        self.finished(record, max(results, key=lambda r: r.logprob_sum()))
         return results
 
     async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                            request: GenerationRequest, as_list: bool) -> None:
-        results = await self.run_tracked(req, request, [(request, None)] * request.best_of)
+        results = await self.run_tracked(req, [(request, None)] * request.best_of)
         best = max(results, key=lambda r: r.logprob_sum())
         body: dict[str, Any] = {"generated_text": best.generated_text}
         if request.details:
@@ -499,7 +517,7 @@ class Generation:
         record = record_of(req)
         try:
             ((request, _),) = await self.pin_adapter(slot, [(request, None)])
-            self.started(record, request)
+            self.started(record, [request])
             channel = Channel()
             seq = engine.submit(request, channel.sink, backlog=channel.backlog)
         except BaseException:
@@ -560,7 +578,7 @@ class Generation:
 
     async def run_openai(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, job: OpenAIJob
                          ) -> list[FinalResult]:
-        results = await self.run_tracked(req, job.requests[0], job.sequences())
+        results = await self.run_tracked(req, job.sequences())
         timing_headers(resp, record_of(req), job.requests[0], self.device)
         return results
 
@@ -574,7 +592,7 @@ class Generation:
         seqs: list[Sequence] = []
         try:
             jobs = await self.pin_adapter(slot, job.sequences())
-            self.started(record, job.requests[0])
+            self.started(record, job.requests)
             for i, (request, seed) in enumerate(jobs):
                 seqs.append(engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed,
                                           backlog=channel.backlog))
@@ -731,6 +749,8 @@ class HealthRoute:
         self.state = state
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self.state.draining:
+            raise ApiError(503, "the server is shutting down", "unhealthy")
         self.state.ready_engine()
         resp.status = falcon.HTTP_200
         resp.text = ""
@@ -843,14 +863,14 @@ class Lifespan:
 
 
 def middleware(state: ServerState) -> list[Any]:
-    """In order: CORS (answers preflights, and marks errors too), the request's id and record, the API key."""
+    """In order: CORS (answers preflights, and marks errors too), the API key, the request's id and record."""
     config = state.config
     chain: list[Any] = [Lifespan(state)]
     if config.cors_allow_origin:
         chain.append(cors_middleware(config.cors_allow_origin))
-    chain.append(RequestContext(state.telemetry))
-    if config.api_key:
+    if config.api_key:  # before the request is counted: anyone without the key must not move the metrics
         chain.append(ApiKeyAuth(config.api_key))
+    chain.append(RequestContext(state.telemetry, lambda: state.draining))
     return chain
 
 
@@ -878,6 +898,4 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_error_handler(Exception, errors.unexpected)
     app.add_error_handler(ApiError, errors.api_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)
-    wrapped = DisconnectWatch(app)
-    wrapped.state = state  # type: ignore[attr-defined]
-    return wrapped
+    return DisconnectWatch(app, state)

@@ -57,12 +57,14 @@ class RequestRecord:
 class Telemetry:
     """Where a finished request is reported: metrics, one log line, and a trace when enabled."""
 
-    def __init__(self, metrics: Metrics, tracing: Tracing | None = None, log_prompts: bool = False) -> None:
+    def __init__(self, metrics: Metrics, tracing: Tracing | None = None) -> None:
         self.metrics = metrics
         self.tracing = tracing
-        self.log_prompts = log_prompts
+        self.open_requests = 0
+        """Generation requests that arrived and are not reported yet: what a drain waits for."""
 
     def request_arrived(self, record: RequestRecord) -> None:
+        self.open_requests += 1
         self.metrics.request_arrived()
 
     def request_finished(self, record: RequestRecord) -> None:
@@ -70,9 +72,8 @@ class Telemetry:
         if record.finished:
             return
         record.finished = True
+        self.open_requests -= 1
         record.total_seconds = time.monotonic() - record.started_monotonic
-        if not self.log_prompts:
-            record.inputs = None
         self.metrics.request_finished(record)
         log_request(record)
         if self.tracing is not None:

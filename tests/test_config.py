@@ -49,6 +49,11 @@ def test_legacy_max_input_length_sets_max_input_tokens():
     (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"], "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be > 0"),
     (["--dtype", "int3"], "--dtype must be float16, bfloat16 or float32"),
+    (["--enable-profiling"], "--enable-profiling needs --api-key"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--prometheus-port", "3000"], "--prometheus-port (3000) must differ from --port"),
+    (["--lora-adapters", "a=/x", "--num-shard", "2"], "LoRA adapters cannot shard yet"),
+    (["--lora-cache-limit", "0"], "--lora-cache-limit must be >= 1"),
 ])
 def test_contradictions_fail(argv, message):
     with pytest.raises(ConfigError) as error:

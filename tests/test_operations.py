@@ -107,8 +107,13 @@ def test_health_is_503_while_loading_200_when_ready_and_503_while_draining_then_
 def test_requests_still_running_when_the_grace_period_ends_get_a_final_error_event(tiny_model_dir, tmp_path):
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
                            "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "1"], tmp_path)
+    whole: list[httpx.Response] = []
     try:
         streams, threads = start_streams(server, 2, max_new_tokens=500)
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 500}}
+        threads.append(threading.Thread(target=lambda: whole.append(server.client().post("/generate", json=body))))
+        threads[-1].start()
+        time.sleep(0.2)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(120)
@@ -118,6 +123,30 @@ def test_requests_still_running_when_the_grace_period_ends_get_a_final_error_eve
     for events in streams:
         assert 1 <= len(events) < 500
         assert events[-1] == {"error": "the server is shutting down", "error_type": "unhealthy"}
+    assert whole[0].status_code == 503 and whole[0].json()["error_type"] == "unhealthy"
+
+
+def test_a_request_still_uploading_when_sigterm_comes_is_served(tiny_model_dir, tmp_path):
+    import socket
+
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+                           "--graceful-termination-timeout", "30"], tmp_path)
+    body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 3}}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+            connection.sendall(b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+            time.sleep(0.5)  # the request has arrived; its body has not
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            connection.sendall(body[10:])
+            answer = connection.makefile("rb").read()
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop()
+    assert answer.startswith(b"HTTP/1.1 200") and b"generated_text" in answer
+    assert b"connection: close" in answer.lower()  # a draining server does not keep the connection
+    assert "draining: 1 requests in flight" in server.log()
 
 
 @pytest.mark.parametrize("server_kind", ["uvicorn", "gunicorn"])  # gunicorn passes the second one to its worker
@@ -172,6 +201,7 @@ def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drai
 
 
 def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
+    from tokenmill import server
     from tokenmill.config import parse_config
     from tokenmill.serve import gunicorn_options
 
@@ -179,7 +209,8 @@ def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
                                              "--port", "8080"]))
     assert options["bind"] == ["[::1]:8080"] and options["workers"] == 1
     assert options["worker_class"] == "tokenmill.serve.TokenmillWorker"
-    assert options["graceful_timeout"] > 45
+    after_the_grace_period = server.ENGINE_STOP_SECONDS + server.ANSWER_SECONDS + 5  # + uvicorn closing connections
+    assert options["graceful_timeout"] > 45 + after_the_grace_period
 
 
 def test_bad_settings_in_the_environment_stop_the_entrypoint_with_one_line(tmp_path):
@@ -212,10 +243,12 @@ def ask(server: RunningServer, prompt: str = CANARY, headers: dict | None = None
 
 def test_generation_routes_want_the_api_key_and_probes_do_not(ops_server):
     server, _ = ops_server
+    counted = value(scrape(f"{server.url}/metrics"), "tgi_request_count")
     assert ask(server, headers={}).status_code == 401
     wrong = ask(server, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error_type"] == "authentication"
     assert wrong.headers["www-authenticate"] == "Bearer"
+    assert value(scrape(f"{server.url}/metrics"), "tgi_request_count") == counted  # refused before counting
     assert ask(server).status_code == 200
     with server.client() as client:
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
