@@ -198,3 +198,26 @@ def test_an_adapter_in_use_is_never_evicted(small_cache_server):
     for reader in readers:
         reader.join(120)
     assert greedy(small_cache_server, "ad2")  # a slot is free again
+
+
+# ---- the real model ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_adapter_on_smollm2_generates_what_peft_merged_model_does(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tokenmill.loading import converted_gguf, default_gguf
+
+    base_dir = converted_gguf(default_gguf())
+    adapter_dir = write_random_adapter(tmp_path / "smol-adapter", seed=7, rank=8, base_dir=base_dir)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    server = start_server(["--model-id", str(base_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+                           "--lora-adapters", f"smol={adapter_dir}"], tmp_path)
+    try:
+        for prompt in PROMPTS[2:4]:
+            with_adapter = greedy(server, "smol", prompt)
+            assert with_adapter == merged_greedy(base_dir, adapter_dir, tokenizer, prompt)
+            assert with_adapter != greedy(server, None, prompt)
+    finally:
+        server.stop()
