@@ -25,16 +25,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def write_random_adapter(target: Path, seed: int, rank: int = 8, base_dir: Path | None = None,
-                         config: Any = None) -> Path:
-    """A PEFT LoRA adapter with random, non-zero A and B on every projection, for the model in
-    ``base_dir`` (or a random model of ``config``, whose weights do not matter to the adapter)."""
+                         config: Any = None, targets: list[str] = TARGETS) -> Path:
+    """A PEFT LoRA adapter with random, non-zero A and B on ``targets`` (every projection), for the
+    model in ``base_dir`` (or a random model of ``config``, whose weights do not matter to the adapter)."""
     import peft
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(config) if config is not None else \
         AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                       init_lora_weights=False))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                           for i, name in enumerate(names))
         started = start_ignoring_eos(Config(model_id=str(source), backend=args.backend, lora_adapters=listed))
         assert started.adapters is not None
-        adapters = [started.adapters.acquire(name) for name in names]
+        adapters = [started.adapters.pin(name) for name in names]
         prompts = [chat_ids(started.loaded.tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
         run(started.engine, prompts, 4, 4, None)  # warm-up
         base = run(started.engine, prompts, args.concurrency, args.new_tokens, None)

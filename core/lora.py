@@ -87,18 +87,22 @@ class StackedAdapters:
 
 @dataclass
 class LoraBatch:
-    """What the wrapped layers apply during the current forward pass (None: the base model alone)."""
+    """What the wrapped layers apply during the current forward pass (``current`` None: the base
+    model alone)."""
 
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Each wrapped layer's (in_features, out_features), by module path."""
-    stacked: StackedAdapters | None = None
-    """The adapters of the current forward pass (kept while the next batch uses the same ones)."""
+    current: StackedAdapters | None = None
+    """The adapters of the forward pass under way (set and cleared by :func:`adapter_rows`)."""
     mask: torch.Tensor | None = None
-    """[rows, total rank] of the current forward pass: 1 where a row's adapter's block is."""
+    """[rows, total rank] of the forward pass under way: 1 where a row's adapter's block is."""
+    cached: StackedAdapters | None = None
+    """The last stacking, kept while batches use the same adapters (dropped when one is evicted)."""
 
     def stack(self, adapters: tuple[Adapter, ...], dtype: torch.dtype, device: torch.device) -> StackedAdapters:
-        if self.stacked is not None and self.stacked.adapters == adapters:
-            return self.stacked
+        cached = self.cached
+        if cached is not None and cached.adapters == adapters:
+            return cached
         offsets = [0]
         for adapter in adapters:
             offsets.append(offsets[-1] + adapter.rank)
@@ -112,8 +116,14 @@ class LoraBatch:
             b_blocks = [(p.b * p.scale).t() if p else torch.zeros(a.rank, out_features, dtype=dtype, device=device)
                         for p, a in zip(pairs, adapters)]
             weights[path] = (torch.cat(a_blocks).t().contiguous(), torch.cat(b_blocks).contiguous())
-        self.stacked = StackedAdapters(adapters, weights, offsets)
-        return self.stacked
+        self.cached = StackedAdapters(adapters, weights, offsets)
+        return self.cached
+
+    def forget(self, adapter: Adapter) -> None:
+        """An evicted adapter: drop the stacking that holds it (a pass under way keeps its own)."""
+        cached = self.cached
+        if cached is not None and adapter in cached.adapters:
+            self.cached = None
 
 
 class LoraLinear(nn.Module):
@@ -130,7 +140,7 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask, stacked = self.batch.mask, self.batch.stacked
+        mask, stacked = self.batch.mask, self.batch.current
         if mask is None or stacked is None or self.path not in stacked.weights:
             return y
         a_all, b_all = stacked.weights[self.path]
@@ -164,12 +174,17 @@ def adapter_rows(model: nn.Module, seqs: Sequence[Any], tokens: Sequence[int]) -
     sequence's rows through its request's adapter. Does nothing for a model without adapters
     or a batch that uses none."""
     batch: LoraBatch | None = getattr(model, "tokenmill_lora", None)
+    if batch is None:  # (a shard replays steps on views of sequences, which carry no request)
+        yield
+        return
     per_seq = [getattr(seq.request, "adapter", None) for seq in seqs]
-    if batch is None or not any(per_seq):
+    if not any(per_seq):
         yield
         return
     parameter = next(model.parameters())
-    used = tuple(dict.fromkeys(adapter for adapter in per_seq if adapter is not None))
+    # One order for a set of adapters, whatever the order of the rows, so that the stacking is
+    # rebuilt only when the set changes.
+    used = tuple(sorted({id(a): a for a in per_seq if a is not None}.values(), key=lambda a: a.name))
     stacked = batch.stack(used, parameter.dtype, parameter.device)
     mask = torch.zeros(sum(tokens), stacked.offsets[-1], dtype=parameter.dtype)
     start = 0
@@ -178,11 +193,11 @@ def adapter_rows(model: nn.Module, seqs: Sequence[Any], tokens: Sequence[int]) -
             block = used.index(adapter)
             mask[start : start + count, stacked.offsets[block] : stacked.offsets[block + 1]] = 1
         start += count
-    batch.mask = mask.to(parameter.device)
+    batch.current, batch.mask = stacked, mask.to(parameter.device)
     try:
         yield
     finally:
-        batch.mask = None
+        batch.current, batch.mask = None, None
 
 
 def read_peft_adapter(name: str, path: Path, layers: dict[str, tuple[int, int]], max_rank: int,
@@ -195,26 +210,36 @@ def read_peft_adapter(name: str, path: Path, layers: dict[str, tuple[int, int]],
     if not config_file.is_file() or not weights_file.is_file():
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json and adapter_model.safetensors "
                            "(a PEFT LoRA checkpoint)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+        alpha, rank = float(config.get("lora_alpha", 8)), int(config["r"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a LoRA config ({type(error).__name__}: "
+                           f"{error})") from None
     refusal = unsupported_peft_option(config)
     if refusal:
         raise AdapterError(f"adapter {name!r}: {refusal}")
-    alpha, rank = float(config.get("lora_alpha", 8)), int(config["r"])
     scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
     tensors = load_file(str(weights_file))
     pairs: dict[str, LoraPair] = {}
+    others = [key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if others:
+        raise AdapterError(f"adapter {name!r} also changes {others[0].removeprefix(PEFT_PREFIX)}: only LoRA on the "
+                           f"linear layers {', '.join(TARGETABLE)} is served")
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
         b = tensors.get(key.replace(".lora_A.weight", ".lora_B.weight"))
         if module not in layers or b is None:
-            raise AdapterError(f"adapter {name!r} adapts {module}, which is not a linear layer of this base model "
-                               "(was it trained for another model?)")
+            raise AdapterError(f"adapter {name!r} adapts {module}, which is not one of this base model's layers "
+                               f"that adapters may target ({', '.join(TARGETABLE)})")
         in_features, out_features = layers[module]
         if a.shape[1] != in_features or b.shape[0] != out_features or a.shape[0] != b.shape[1]:
             raise AdapterError(f"adapter {name!r}: {module} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}, but the "
                                f"base layer is {in_features} -> {out_features}: it was trained for another base model")
+        if a.shape[0] != rank:
+            raise AdapterError(f"adapter {name!r} has rank {a.shape[0]} on {module} but r={rank} in its config")
         if a.shape[0] > max_rank:
             raise AdapterError(f"adapter {name!r} has rank {a.shape[0]} on {module}, above --max-lora-rank {max_rank}")
         pairs[module] = LoraPair(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), scale)
@@ -271,13 +296,16 @@ class CacheStats:
 
 class AdapterCache:
     """Every adapter the server knows (by name, with where to load it from) and the at most
-    ``limit`` of them in memory. Thread-safe: requests pin adapters from the HTTP side."""
+    ``limit`` of them in memory. Thread-safe. Reading an adapter from disk happens outside the
+    lock (on the tokenizer thread); pinning is quick and never reads."""
 
-    def __init__(self, batch: LoraBatch, limit: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, batch: LoraBatch, limit: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 base_model_id: str | None = None) -> None:
         self.batch = batch
         self.limit = limit
         self.max_rank = max_rank
         self.dtype, self.device = dtype, device
+        self.base_model_id = base_model_id
         self.sources: dict[str, Path] = {}
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
         """Least recently used first."""
@@ -289,53 +317,66 @@ class AdapterCache:
         return sorted(self.sources)
 
     def register(self, name: str, source: str) -> Adapter:
-        """Learn an adapter and load it now (so that a bad one is refused at once); it may be
-        evicted later and is then reloaded on demand."""
-        if not name or "=" in name or "," in name:
-            raise AdapterError(f"adapter id {name!r} must be a non-empty name without '=' or ','")
+        """Learn an adapter and load it now, so that a bad one is refused at once (AdapterError) and
+        one that finds no free slot is not learnt (AdapterBusy). Later it may be evicted and is then
+        reloaded on demand."""
+        if not name or "=" in name or "," in name or name == self.base_model_id:
+            raise AdapterError(f"adapter id {name!r} must be a non-empty name without '=' or ',', other than "
+                               "the base model's id")
         path = locate(source)
-        adapter = read_peft_adapter(name, path, self.batch.layers, self.max_rank, self.dtype, self.device)
         with self.lock:
             if name in self.sources and self.sources[name] != path:
                 raise AdapterError(f"adapter {name!r} is already loaded from {self.sources[name]}")
+        adapter = self._read(name, path)
+        with self.lock:
+            adapter = self._insert(name, adapter)
             self.sources[name] = path
-            if name not in self.loaded:
-                self._make_room()
-                self.loaded[name] = adapter
-                self.stats.loads += 1
-            log.info("adapter %s: rank %d on %d layers from %s", name, adapter.rank, len(adapter.layers), path)
-            return self.loaded[name]
+        log.info("adapter %s: rank %d on %d layers from %s", name, adapter.rank, len(adapter.layers), path)
+        return adapter
 
-    def acquire(self, name: str) -> Adapter:
-        """Pin ``name`` for a request (loading it if it was evicted); raises AdapterBusy when every
-        slot is pinned. Give it back with :meth:`release`."""
+    def load(self, name: str) -> None:
+        """Make ``name`` resident (reading it if it was evicted); AdapterBusy when no slot is free."""
+        with self.lock:
+            if name in self.loaded:
+                return
+            if name not in self.sources:
+                raise AdapterError(f"unknown adapter {name!r}")
+            path = self.sources[name]
+        adapter = self._read(name, path)
+        with self.lock:
+            self._insert(name, adapter)
+
+    def pin(self, name: str) -> Adapter | None:
+        """Pin a resident adapter for a request (None if it is not resident: :meth:`load` it first).
+        Give it back with :meth:`release`."""
         with self.lock:
             adapter = self.loaded.get(name)
-            if adapter is None:
-                if name not in self.sources:
-                    raise AdapterError(f"unknown adapter {name!r}")
-                self._make_room()
-                adapter = read_peft_adapter(name, self.sources[name], self.batch.layers, self.max_rank, self.dtype,
-                                            self.device)
-                self.loaded[name] = adapter
-                self.stats.loads += 1
-            self.loaded.move_to_end(name)
-            adapter.users += 1
+            if adapter is not None:
+                self.loaded.move_to_end(name)
+                adapter.users += 1
             return adapter
 
     def release(self, adapter: Adapter) -> None:
         with self.lock:
             adapter.users -= 1
 
-    def _make_room(self) -> None:
-        """Evict least recently used adapters that no request uses until one more fits."""
+    def _read(self, name: str, path: Path) -> Adapter:
+        return read_peft_adapter(name, path, self.batch.layers, self.max_rank, self.dtype, self.device)
+
+    def _insert(self, name: str, adapter: Adapter) -> Adapter:
+        """Under the lock: keep ``adapter`` (or the copy another thread loaded meanwhile)."""
+        if name in self.loaded:
+            return self.loaded[name]
         while len(self.loaded) >= self.limit:
-            idle = next((name for name, adapter in self.loaded.items() if adapter.users == 0), None)
+            idle = next((key for key, held in self.loaded.items() if held.users == 0), None)
             if idle is None:
                 raise AdapterBusy(f"all {self.limit} adapter slots (--lora-cache-limit) are in use by running requests")
-            del self.loaded[idle]
+            self.batch.forget(self.loaded.pop(idle))
             self.stats.evictions += 1
             log.info("adapter %s evicted (least recently used)", idle)
+        self.loaded[name] = adapter
+        self.stats.loads += 1
+        return adapter
 
     def usage(self) -> dict[str, Any]:
         with self.lock:

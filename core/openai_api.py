@@ -193,11 +193,13 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         params["top_n_tokens"] = top_logprobs
     if priority is not None:
         params["priority"] = priority
-    params["adapter_id"] = named_adapter(validator, body)
+    adapter = named_adapter(validator, body)
+    if adapter:
+        params["adapter_id"] = adapter
     n = choice_count(body, config.max_client_batch_size)
     request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
                                  grammar=grammar)
-    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, params["adapter_id"] or model,
+    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, adapter or model,
                      may_call_tool=bool(offered))
 
 
@@ -258,10 +260,12 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
             params["decoder_input_details"] = True
     if priority is not None:
         params["priority"] = priority
-    params["adapter_id"] = named_adapter(validator, body)
+    adapter = named_adapter(validator, body)
+    if adapter:
+        params["adapter_id"] = adapter
     requests = [validator.generate(text, params, stream, max_top_n=MAX_COMPLETION_LOGPROBS) for text in prompts]
-    return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None,
-                     params["adapter_id"] or model, echo=echo)
+    return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, adapter or model,
+                     echo=echo)
 
 
 # ---- shaping responses ------------------------------------------------------------------------

@@ -438,13 +438,22 @@ class Generation:
             return jobs
         adapters = self.state.adapters
         assert adapters is not None, "validation lets adapter ids through only when adapters are served"
-        try:
-            slot.adapter = await self.validate(adapters.acquire, name)
-        except AdapterBusy as error:
-            raise ApiError(429, str(error), "overloaded") from None
-        except AdapterError as error:
-            raise ApiError(422, str(error), "validation") from None
-        return [(replace(request, adapter=slot.adapter), seed) for request, seed in jobs]
+        # Pinned here on the event loop, so that a request cancelled while its adapter loads holds no pin.
+        adapter = adapters.pin(name)
+        for _ in range(3):  # another request's load may evict it between our load and our pin
+            if adapter is not None:
+                break
+            try:
+                await self.validate(adapters.load, name)
+            except AdapterBusy as error:
+                raise ApiError(429, str(error), "overloaded") from None
+            except AdapterError as error:
+                raise ApiError(422, str(error), "validation") from None
+            adapter = adapters.pin(name)
+        if adapter is None:
+            raise ApiError(429, f"adapter {name!r} was evicted again while loading; retry", "overloaded")
+        slot.adapter = adapter
+        return [(replace(request, adapter=adapter), seed) for request, seed in jobs]
 
     def started(self, record: RequestRecord, requests: list[GenerationRequest]) -> None:
         """The request (one or, for a list of prompts, several) passed validation and goes to the engine."""

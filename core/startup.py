@@ -145,7 +145,7 @@ def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> Adapte
     def load() -> AdapterCache:
         try:
             cache = AdapterCache(lora.install(loaded.model), config.adapter_slots, config.max_lora_rank,
-                                 loaded.dtype, loaded.device)
+                                 loaded.dtype, loaded.device, base_model_id=loaded.model_id)
             for name, source in named:
                 cache.register(name, source)
         except (AdapterError, AdapterBusy) as error:

@@ -31,19 +31,26 @@ def merged_greedy(base_dir: Path, adapter_dir: Path | None, tokenizer: Any, prom
     return reference_greedy(model.eval(), tokenizer, prompt, NEW_TOKENS, eos_token_id=2)
 
 
+PROMPT_OF: dict[str | None, str] = {None: PROMPTS[6], "ad0": PROMPTS[1], "ad1": PROMPTS[2], "ad2": PROMPTS[7]}
+"""Prompts of different lengths, so that a mixed batch's rows and padding differ per adapter."""
+
+
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Five adapters; ``ad2`` adapts only q and v, so a mixed batch has layers some adapters leave alone."""
     root = tmp_path_factory.mktemp("adapters")
-    return {f"ad{i}": write_random_adapter(root / f"ad{i}", seed=100 + i, base_dir=tiny_model_dir) for i in range(5)}
+    made = {f"ad{i}": write_random_adapter(root / f"ad{i}", seed=100 + i, base_dir=tiny_model_dir)
+            for i in (0, 1, 3, 4)}
+    made["ad2"] = write_random_adapter(root / "ad2", seed=102, base_dir=tiny_model_dir, targets=["q_proj", "v_proj"])
+    return made
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir, tiny_model, adapters) -> dict[str | None, list[int]]:
-    """peft's merged-model tokens for PROMPTS[1], per adapter (None: the base model)."""
+    """peft's merged-model tokens for each adapter's prompt (None: the base model)."""
     _, tokenizer = tiny_model
-    names: list[str | None] = [None, "ad0", "ad1", "ad2"]
-    return {name: merged_greedy(tiny_model_dir, adapters[name] if name else None, tokenizer, PROMPTS[1])
-            for name in names}
+    return {name: merged_greedy(tiny_model_dir, adapters[name] if name else None, tokenizer, prompt)
+            for name, prompt in PROMPT_OF.items()}
 
 
 @pytest.fixture(scope="module", params=["transformers", "paged"])
@@ -56,7 +63,8 @@ def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator
     server.stop()
 
 
-def greedy(server: RunningServer, adapter: str | None, prompt: str = PROMPTS[1]) -> list[int]:
+def greedy(server: RunningServer, adapter: str | None, prompt: str | None = None) -> list[int]:
+    prompt = prompt or PROMPT_OF[adapter]
     parameters: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "details": True}
     if adapter is not None:
         parameters["adapter_id"] = adapter
@@ -74,7 +82,7 @@ def test_each_adapter_generates_what_peft_merged_model_does(lora_server, expecte
 
 def test_no_adapter_or_the_base_model_id_means_the_base_model(lora_server, expected, tiny_model_dir):
     assert greedy(lora_server, None) == expected[None]
-    assert greedy(lora_server, str(tiny_model_dir)) == expected[None]
+    assert greedy(lora_server, str(tiny_model_dir), PROMPT_OF[None]) == expected[None]
 
 
 def test_a_batch_mixing_three_adapters_and_the_base_model_gives_each_its_own_tokens(lora_server, expected):
@@ -89,7 +97,7 @@ def test_openai_model_names_the_adapter_and_v1_models_lists_them(lora_server, ex
     _, tokenizer = tiny_model
     with lora_server.client() as client:
         models = [m["id"] for m in client.get("/v1/models").json()["data"]]
-        completion = client.post("/v1/completions", json={"model": "ad1", "prompt": PROMPTS[1],
+        completion = client.post("/v1/completions", json={"model": "ad1", "prompt": PROMPT_OF["ad1"],
                                                          "max_tokens": NEW_TOKENS, "temperature": 0}).json()
     assert models[1:] == ["ad0", "ad1", "ad2"]
     assert completion["model"] == "ad1"
@@ -109,7 +117,8 @@ def test_an_adapter_is_loaded_at_run_time_and_serves_at_once(lora_server, adapte
         loaded = client.post("/adapters", json={"id": "late", "path": str(adapters["ad4"])})
         assert loaded.status_code == 200 and loaded.json()["rank"] == 8
         assert "late" in client.get("/adapters").json()["adapters"]
-    assert greedy(lora_server, "late") == merged_greedy(tiny_model_dir, adapters["ad4"], tokenizer, PROMPTS[1])
+    assert greedy(lora_server, "late", PROMPTS[1]) == merged_greedy(tiny_model_dir, adapters["ad4"], tokenizer,
+                                                                     PROMPTS[1])
 
 
 def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_model_dir, tmp_path):
@@ -119,21 +128,37 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_
                              num_attention_heads=4, num_key_value_heads=2, head_dim=24)
     wrong_shape = write_random_adapter(tmp_path / "wrong", seed=1, config=other_base)
     too_big = write_random_adapter(tmp_path / "big", seed=2, rank=32, base_dir=tiny_model_dir)
+    embedding = write_random_adapter(tmp_path / "emb", seed=3, base_dir=tiny_model_dir,
+                                     targets=["embed_tokens", "q_proj"])
     with lora_server.client() as client:
         shape = client.post("/adapters", json={"id": "wrong", "path": str(wrong_shape)})
         rank = client.post("/adapters", json={"id": "big", "path": str(too_big)})
         missing = client.post("/adapters", json={"id": "gone", "path": str(tmp_path / "nothing")})
+        embeds = client.post("/adapters", json={"id": "emb", "path": str(embedding)})
+        base_id = client.post("/adapters", json={"id": str(tiny_model_dir), "path": str(embedding)})
+        known = client.get("/adapters").json()["adapters"]
     assert shape.status_code == 422 and "trained for another base model" in shape.json()["error"]
     assert rank.status_code == 422 and "above --max-lora-rank 16" in rank.json()["error"]
     assert missing.status_code == 422 and "not a local directory" in missing.json()["error"]
+    assert embeds.status_code == 422 and "also changes model.embed_tokens" in embeds.json()["error"]
+    assert base_id.status_code == 422 and "other than the base model's id" in base_id.json()["error"]
+    assert not {"wrong", "big", "gone", "emb"} & set(known)  # nothing refused is learnt
 
 
 # ---- the bounded cache ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def small_cache_server(tiny_model_dir, adapters, tmp_path_factory) -> Iterator[RunningServer]:
-    listed = ",".join(f"{name}={path}" for name, path in adapters.items())
+def big_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Five adapters of rank 64, 512 KiB each: keeping evicted ones alive would show in resident memory."""
+    root = tmp_path_factory.mktemp("big-adapters")
+    return {f"big{i}": write_random_adapter(root / f"big{i}", seed=200 + i, rank=64, base_dir=tiny_model_dir)
+            for i in range(5)}
+
+
+@pytest.fixture(scope="module")
+def small_cache_server(tiny_model_dir, big_adapters, tmp_path_factory) -> Iterator[RunningServer]:
+    listed = ",".join(f"{name}={path}" for name, path in big_adapters.items())
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
                            "--lora-adapters", listed, "--lora-cache-limit", "2", "--stream-buffer-tokens", "2"],
                           tmp_path_factory.mktemp("lora-cache"))
@@ -147,17 +172,19 @@ def cache_state(server: RunningServer) -> dict[str, Any]:
 
 
 def test_the_cache_limit_holds_while_requests_cycle_through_more_adapters_and_memory_stays_flat(
-        small_cache_server, expected):
+        small_cache_server, big_adapters, tiny_model_dir, tiny_model):
     import psutil
 
+    _, tokenizer = tiny_model
     process = psutil.Process(small_cache_server.process.pid)
-    names = ["ad0", "ad1", "ad2", "ad3", "ad4"]
+    names = list(big_adapters)
+    first = merged_greedy(tiny_model_dir, big_adapters["big0"], tokenizer, PROMPTS[1])
 
     def cycle() -> None:
         for name in names:
-            tokens = greedy(small_cache_server, name)
-            if name in expected:
-                assert tokens == expected[name], name  # reloaded after an eviction, still the same adapter
+            tokens = greedy(small_cache_server, name, PROMPTS[1])
+            if name == "big0":
+                assert tokens == first  # reloaded after an eviction, still the same adapter
             assert len(cache_state(small_cache_server)["loaded"]) <= 2
 
     cycle()
@@ -168,13 +195,15 @@ def test_the_cache_limit_holds_while_requests_cycle_through_more_adapters_and_me
     grown = process.memory_info().rss - warmed
     state = cache_state(small_cache_server)
     assert state["evictions"] >= 30 and state["loads"] >= 30
-    assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 30 adapter swaps"
+    assert state["bytes"] <= 2 * 512 * 2**10
+    assert grown < 6 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 30 swaps of 512 KiB adapters"
     with small_cache_server.client() as client:
         metrics = client.get("/metrics").text
     assert "tgi_lora_cache_size 2.0" in metrics
 
 
 def test_an_adapter_in_use_is_never_evicted(small_cache_server):
+    """Two slow streams pin both slots: a third adapter must wait for one, and gets 429 meanwhile."""
     events: list[dict] = []
 
     def slow_stream(name: str) -> None:
@@ -185,19 +214,19 @@ def test_an_adapter_in_use_is_never_evicted(small_cache_server):
                     events.append(json.loads(line[5:]))
                     time.sleep(0.01)
 
-    readers = [threading.Thread(target=slow_stream, args=(name,)) for name in ("ad0", "ad1")]
+    readers = [threading.Thread(target=slow_stream, args=(name,)) for name in ("big0", "big1")]
     for reader in readers:
         reader.start()
     deadline = time.monotonic() + 60
     while len(events) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     with small_cache_server.client() as client:  # both slots pinned by running requests
-        busy = client.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "ad2"}})
+        busy = client.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "big2"}})
     assert busy.status_code == 429 and "in use" in busy.json()["error"]
-    assert sorted(cache_state(small_cache_server)["loaded"]) == ["ad0", "ad1"]
+    assert sorted(cache_state(small_cache_server)["loaded"]) == ["big0", "big1"]
     for reader in readers:
         reader.join(120)
-    assert greedy(small_cache_server, "ad2")  # a slot is free again
+    assert greedy(small_cache_server, "big2", PROMPTS[1])  # a slot is free again
 
 
 # ---- the real model ------------------------------------------------------------------------------
