@@ -332,7 +332,14 @@ def run_shard(rank: int, world_size: int, config: Any) -> int:
         if message == STOP:
             leave_group()
             return 0
-        replay(runner, message)
+        try:
+            replay(runner, message)
+        except Exception:  # noqa: BLE001 - logged whole, then the shard ends
+            log.exception("shard %d: replaying rank 0's %s failed; the shard stops", rank, message[0])
+            logging.shutdown()
+            # Not a normal exit: tearing the group down would wait for rank 0, which waits in a
+            # collective for this shard. Ending now lets rank 0's watcher see it and stop the server.
+            os._exit(1)
 
 
 def shard_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
