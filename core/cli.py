@@ -103,6 +103,8 @@ def plugins(argv: Sequence[str]) -> int:
     for row in rows:
         status = "available" if row.unavailable_reason is None else f"unavailable: {row.unavailable_reason}"
         print(f"{row.kind:<13} {row.name:<{width}}  {status:<40} {row.source}")
+    for name, why in pm.problems.items():
+        print(f"{'plugin':<13} {name:<{width}}  broken: {why}")
     return 0
 
 

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 hookspec = pluggy.HookspecMarker("tokenmill")
 
+HOOKS_VERSION = "1.0"
+"""The version of this set of hooks, ``major.minor``: the major grows when a hook changes in a way
+old plugins cannot follow, the minor when hooks are added. A plugin module says which version it
+was built for (``tokenmill_hooks_version = "1.0"``); it loads when the major versions are equal
+and its minor is not newer than this one, and is refused with both versions named otherwise."""
+
 
 @hookspec
 def tokenmill_backends() -> list[Backend]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import pluggy
 
@@ -60,18 +63,112 @@ class Offered:
     unavailable_reason: str | None
 
 
-def build_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
-    """A manager with the hookspecs, the built-in plugins and (unless disabled) entry points."""
-    pm = pluggy.PluginManager("tokenmill")
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, which also remembers the third-party plugins it had to leave out, and why."""
+
+    def __init__(self) -> None:
+        super().__init__("tokenmill")
+        self.problems: dict[str, str] = {}
+        """Plugin name -> one line: why it was left out, or which of its hooks failed."""
+
+
+def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
+    """A manager with the hookspecs, the built-in plugins and (unless disabled) entry points.
+
+    ``TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry point; ``TOKENMILL_PLUGINS=a,b``
+    loads only those (by entry point or distribution name). A third-party plugin that fails to
+    import, was built for other hooks, or implements a hook this version does not have is left
+    out with one line in the log; one whose hook raises later is named in one line and skipped
+    for that call. Either way the built-ins and the other plugins keep working."""
+    pm = PluginManager()
     pm.add_hookspecs(hookspecs)
     for module_name in BUILTIN_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)
     if autoload is None:
         autoload = os.environ.get("TOKENMILL_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0", "false")
     if autoload:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        allowed = {name.strip() for name in os.environ.get("TOKENMILL_PLUGINS", "").split(",") if name.strip()}
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = entry_point.dist
+            if allowed and entry_point.name not in allowed and (dist is None or dist.name not in allowed):
+                continue
+            load_entry_point(pm, entry_point)
     pm.check_pending()
     return pm
+
+
+def load_entry_point(pm: PluginManager, entry_point: importlib.metadata.EntryPoint) -> None:
+    name = entry_point.name
+    dist = entry_point.dist
+    source = f"{dist.name} {dist.version}" if dist is not None else entry_point.value
+    if pm.get_plugin(name) is not None or pm.is_blocked(name):
+        return
+    try:
+        plugin = entry_point.load()
+    except Exception as error:  # noqa: BLE001 - any import failure leaves this plugin out, not the server
+        leave_out(pm, name, source, f"failed to import: {type(error).__name__}: {error}")
+        return
+    refusal = version_refusal(plugin)
+    if refusal:
+        leave_out(pm, name, source, refusal)
+        return
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as error:
+        leave_out(pm, name, source, f"has a hook that does not fit: {error}")
+        return
+    unknown = [caller.name for caller in pm.get_hookcallers(plugin) or [] if caller.spec is None]
+    if unknown:
+        pm.unregister(plugin)
+        leave_out(pm, name, source, f"implements {', '.join(unknown)}, which tokenmill's hooks "
+                                    f"{hookspecs.HOOKS_VERSION} do not have")
+        return
+    guard_hooks(pm, plugin, name, source)
+
+
+def leave_out(pm: PluginManager, name: str, source: str, why: str) -> None:
+    pm.problems[name] = why
+    log.error("plugin %s (%s) left out: %s", name, source, why)
+
+
+def version_refusal(plugin: object) -> str | None:
+    """Why ``plugin`` cannot load with these hooks, from its ``tokenmill_hooks_version``; None if it can."""
+    wanted = getattr(plugin, "tokenmill_hooks_version", None)
+    if wanted is None:
+        return None
+    ours = hookspecs.HOOKS_VERSION
+    try:
+        major, minor = (int(part) for part in str(wanted).split("."))
+    except ValueError:
+        return f"its tokenmill_hooks_version {wanted!r} is not major.minor"
+    our_major, our_minor = (int(part) for part in ours.split("."))
+    if major != our_major or minor > our_minor:
+        return f"it was built for tokenmill hooks {wanted}; this tokenmill has hooks {ours}"
+    return None
+
+
+def guard_hooks(pm: PluginManager, plugin: object, name: str, source: str) -> None:
+    """Make each hook of a third-party ``plugin`` log one line and step aside when it raises,
+    instead of failing the call for every plugin (a list hook then offers nothing)."""
+    for caller in pm.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin:
+                impl.function = guarded(impl.function, pm, name, source, caller.name)
+
+
+def guarded(function: Callable[..., Any], pm: PluginManager, name: str, source: str, hook: str) -> Callable[..., Any]:
+    empty: Any = [] if hook in KIND_HOOKS.values() or hook == "tokenmill_logits_processors" else None
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - one plugin's failure is its own
+            pm.problems[name] = f"hook {hook} raised {type(error).__name__}: {error}"
+            log.error("plugin %s (%s): %s (skipped)", name, source, pm.problems[name])
+            return empty
+
+    return call
 
 
 def offered(pm: pluggy.PluginManager, kind: str) -> list[tuple[Implementation, str]]:
@@ -112,7 +209,9 @@ def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
             if reason:
                 raise PluginError(f"{flag} {name} is not available here: {reason} (choices: {names})")
             return implementation
-    raise PluginError(f"unknown {flag} {name!r} (choices: {names})")
+    broken = getattr(pm, "problems", {})
+    hint = "; ".join(f"plugin {plugin}: {why}" for plugin, why in broken.items())
+    raise PluginError(f"unknown {flag} {name!r} (choices: {names})" + (f"; left out or failing: {hint}" if hint else ""))
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,95 @@ def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_firs
         queue.add(seq)
     started = queue.admit([], StepBudget(30, chunked=False, kv_free_tokens=None))
     assert [s.prompt_len for s in started] == [3, 9] and len(queue) == 1
+
+
+# ---- third-party plugins that misbehave ------------------------------------------------------------
+
+
+def install_fake(site: Path, entry_point: str, module: str, code: str) -> None:
+    """A distribution ``<module>-plugin`` in ``site`` whose ``tokenmill`` entry point ``entry_point``
+    is the module ``module`` with ``code``."""
+    (site / f"{module}.py").write_text(textwrap.dedent(code))
+    dist = site / f"{module}_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[tokenmill]\n{entry_point} = {module}\n")
+
+
+SPF = '''
+    import tokenmill
+    from tokenmill.interfaces import Scheduler
+
+    tokenmill_hooks_version = "1.0"
+
+    class Quick(Scheduler):
+        name = "quick"
+        description = "a scheduler from a plugin"
+
+    @tokenmill.hookimpl
+    def tokenmill_schedulers():
+        return [Quick()]
+'''
+
+
+@pytest.fixture
+def misbehaving_plugins(tmp_path, monkeypatch):
+    install_fake(tmp_path, "good", "good_plugin", SPF)
+    install_fake(tmp_path, "broken", "broken_import", "import no_such_module_anywhere\n")
+    install_fake(tmp_path, "future", "future_plugin", 'tokenmill_hooks_version = "2.0"\n')
+    install_fake(tmp_path, "stranger", "stranger_plugin", '''
+        import tokenmill
+
+        @tokenmill.hookimpl
+        def tokenmill_frobnicate():
+            return None
+    ''')
+    install_fake(tmp_path, "raiser", "raising_plugin", '''
+        import tokenmill
+
+        @tokenmill.hookimpl
+        def tokenmill_schedulers():
+            raise RuntimeError("scheduler table corrupt")
+
+        @tokenmill.hookimpl
+        def tokenmill_load_stage(stage, seconds, detail):
+            raise ValueError("observer fell over")
+    ''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TOKENMILL_PLUGINS", raising=False)
+    return tmp_path
+
+
+def test_broken_plugins_are_left_out_with_one_line_each_and_the_rest_keep_working(misbehaving_plugins, caplog):
+    pm = build_plugin_manager()
+    assert "failed to import: ModuleNotFoundError" in pm.problems["broken"]
+    assert pm.problems["future"] == "it was built for tokenmill hooks 2.0; this tokenmill has hooks 1.0"
+    assert "implements tokenmill_frobnicate" in pm.problems["stranger"]
+    assert choose(pm, "scheduler", "quick").name == "quick"  # a good plugin beside them loads
+    assert choose(pm, "scheduler", "fifo").name == "fifo"  # and so do the built-ins
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(left_out) == 3 and any(m.startswith("plugin broken (broken_import-plugin 1.0) left out") for m in left_out)
+
+
+def test_a_hook_that_raises_is_named_and_skipped_and_fails_only_a_choice_of_its_own(misbehaving_plugins, caplog):
+    pm = build_plugin_manager()
+    pm.hook.tokenmill_load_stage(stage="warm-up", seconds=0.1, detail="")  # does not raise
+    assert any("plugin raiser (raising_plugin-plugin 1.0): hook tokenmill_load_stage raised ValueError"
+               in r.getMessage() for r in caplog.records)
+    assert choose(pm, "scheduler", "fifo").name == "fifo"
+    with pytest.raises(PluginError, match="hook tokenmill_schedulers raised RuntimeError: scheduler table corrupt"):
+        choose(pm, "scheduler", "its-own")
+
+
+def test_an_allow_list_loads_only_the_named_plugins(misbehaving_plugins, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_PLUGINS", "good")
+    pm = build_plugin_manager()
+    assert pm.problems == {} and pm.get_plugin("good") is not None and pm.get_plugin("raiser") is None
+
+
+def test_tokenmill_plugins_shows_the_broken_ones(misbehaving_plugins):
+    out = subprocess.run([sys.executable, "-m", "tokenmill", "plugins"], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(misbehaving_plugins), "PATH": "/usr/bin:/bin"}).stdout
+    assert re.search(r"plugin\s+future\s+broken: it was built for tokenmill hooks 2.0", out), out
+    assert re.search(r"\bquick\b\s+available", out)
