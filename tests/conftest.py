@@ -89,12 +89,12 @@ class RunningServer:
 
 
 def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0) -> RunningServer:
-    """Start ``tokenmill launch`` on a free loopback port and wait for /health."""
+                 ready_timeout: float = 300.0, python: str = sys.executable) -> RunningServer:
+    """Start ``tokenmill launch`` (with ``python``) on a free loopback port and wait for /health."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
-    command = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
+    command = [python, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = RunningServer(process, port, log_path)
