@@ -497,7 +497,8 @@ class Generation:
             self.finished(record, None, error.message, error.error_type)
             raise
         except BaseException as error:
-            self.finished(record, None, f"{type(error).__name__}: {error}", "cancelled")
+            kind = "cancelled" if isinstance(error, asyncio.CancelledError) else "internal"
+            self.finished(record, None, f"{type(error).__name__}: {error}", kind)
             raise
         finally:
             slot.release()
