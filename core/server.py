@@ -9,9 +9,10 @@ engine thread pushes events into a per-request asyncio queue through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 import os
 import threading
 import time
@@ -362,6 +363,19 @@ def record_of(req: falcon.asgi.Request) -> RequestRecord:
     return record
 
 
+@dataclass
+class StreamRun:
+    """The sequences of one streamed response and what they hold until it ends."""
+
+    engine: Engine
+    seqs: list[Sequence]
+    channel: Channel
+    record: RequestRecord
+    slot: Slot
+    completed: bool = False
+    """Every choice reached its end (the stream may close normally)."""
+
+
 # ---- routes ----------------------------------------------------------------------------
 
 
@@ -522,49 +536,14 @@ class Generation:
 
     async def respond_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                              request: GenerationRequest) -> None:
-        engine = self.state.ready_engine()
-        slot = self.state.take_slot()
-        record = record_of(req)
-        try:
-            ((request, _),) = await self.pin_adapter(slot, [(request, None)])
-            self.started(record, [request])
-            channel = Channel()
-            seq = engine.submit(request, channel.sink, backlog=channel.backlog)
-        except BaseException:
-            slot.release()
-            raise
+        run = await self.open_stream(req, resp, [(request, None)], [request])
+        resp.sse = self.tgi_events(run, request)
 
-        on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
-        on_disconnect(req, slot.release)  # also when the response never started streaming
-        stream_headers(resp, request, self.device)
-        resp.sse = self.events(engine, seq, channel, request, record, slot)
-
-    async def events(self, engine: Engine, seq: Sequence, channel: Channel, request: GenerationRequest,
-                     record: RequestRecord, slot: Slot) -> AsyncIterator[falcon.asgi.SSEvent]:
-        result: FinalResult | None = None
-        error: ErrorEvent | None = None
-        try:
-            while True:
-                event = await channel.queue.get()
-                if event is DISCONNECTED:
-                    error = ErrorEvent("client disconnected", "cancelled")
-                    return
-                if isinstance(event, ErrorEvent):
-                    error = event
-                    yield falcon.asgi.SSEvent(json=event.as_json())
-                    return
-                yield falcon.asgi.SSEvent(json=self.stream_json(event, request))
-                channel.delivered += 1  # falcon asks for the next event once this one is sent
-                if event.final is not None:
-                    result = event.final
-                    return
-        finally:
-            if result is None and error is None:  # the response was abandoned mid-way
-                engine.cancel(seq)
-                error = ErrorEvent("client disconnected", "cancelled")
-            slot.release()
-            self.finished(record, result, error.message if error else None, error.error_type if error else None,
-                          generated_tokens=len(seq.generated_ids))
+    async def tgi_events(self, run: StreamRun, request: GenerationRequest) -> AsyncIterator[falcon.asgi.SSEvent]:
+        async with contextlib.aclosing(self.stream_events(run)) as events:
+            async for _, event in events:
+                body = event.as_json() if isinstance(event, ErrorEvent) else self.stream_json(event, request)
+                yield falcon.asgi.SSEvent(json=body)
 
     @staticmethod
     def stream_json(event: TokenEvent, request: GenerationRequest) -> dict[str, Any]:
@@ -595,14 +574,38 @@ class Generation:
     async def stream_openai(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, job: OpenAIJob,
                             stream: OpenAIStream) -> None:
         """Stream every choice of ``job`` in one SSE response, chunks tagged with their choice index."""
+        run = await self.open_stream(req, resp, job.sequences(), job.requests)
+        resp.sse = sse_events(self.openai_chunks(run, stream))
+
+    async def openai_chunks(self, run: StreamRun, stream: OpenAIStream) -> AsyncIterator[dict[str, Any] | None]:
+        """The stream's chunks; None last, for ``data: [DONE]``. An error ends it with an error event."""
+        for chunk in stream.opening():
+            yield chunk
+        async with contextlib.aclosing(self.stream_events(run)) as events:
+            async for index, event in events:
+                if isinstance(event, ErrorEvent):
+                    yield event.as_json()
+                    return
+                for chunk in stream.on_event(index, event):
+                    yield chunk
+        if run.completed:
+            for chunk in stream.closing():
+                yield chunk
+            yield None
+
+    async def open_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                          jobs: list[tuple[GenerationRequest, int | None]], requests: list[GenerationRequest]
+                          ) -> StreamRun:
+        """Start the sequences of a streamed response: its slot, its adapter, the start hook, one
+        channel of (choice, event) pairs, and cancellation the moment the client leaves."""
         engine = self.state.ready_engine()
         slot = self.state.take_slot()
         record = record_of(req)
         channel = Channel()
         seqs: list[Sequence] = []
         try:
-            jobs = await self.pin_adapter(slot, job.sequences())
-            self.started(record, job.requests)
+            jobs = await self.pin_adapter(slot, jobs)
+            self.started(record, requests)
             for i, (request, seed) in enumerate(jobs):
                 seqs.append(engine.submit(request, lambda event, i=i: channel.sink((i, event)), seed,
                                           backlog=channel.backlog))
@@ -613,47 +616,43 @@ class Generation:
             raise
         for seq in seqs:
             on_disconnect(req, cancel_on_disconnect(engine, seq, channel))
-        on_disconnect(req, slot.release)
-        stream_headers(resp, job.requests[0], self.device)
-        resp.sse = sse_events(self.openai_chunks(engine, seqs, channel, stream, record, slot))
+        on_disconnect(req, slot.release)  # also when the response never starts streaming
+        stream_headers(resp, requests[0], self.device)
+        return StreamRun(engine, seqs, channel, record, slot)
 
-    async def openai_chunks(self, engine: Engine, seqs: list[Sequence], channel: Channel, stream: OpenAIStream,
-                            record: RequestRecord, slot: Slot) -> AsyncIterator[dict[str, Any] | None]:
-        """The stream's chunks; None last, for ``data: [DONE]``. An error ends it with an error event."""
+    async def stream_events(self, run: StreamRun) -> AsyncIterator[tuple[int, TokenEvent | ErrorEvent]]:
+        """The (choice, event) pairs of a streamed response until every choice has ended, or up to an
+        error event. However it ends (the client may leave), its sequences stop, its slot is given
+        back and the request is reported, once."""
         first: FinalResult | None = None
         error: ErrorEvent | None = None
-        running = len(seqs)
+        running = len(run.seqs)
         try:
-            for chunk in stream.opening():
-                yield chunk
             while running:
-                item = await channel.queue.get()
+                item = await run.channel.queue.get()
                 if item is DISCONNECTED:
                     error = ErrorEvent("client disconnected", "cancelled")
                     return
                 index, event = item
                 if isinstance(event, ErrorEvent):
-                    error = event
-                    yield event.as_json()
+                    error = event  # before yielding: the reader may stop at it
+                    yield index, event
                     return
-                for chunk in stream.on_event(index, event):
-                    yield chunk
-                channel.delivered += 1
+                yield index, event
+                run.channel.delivered += 1  # asked for the next one: this one has been sent
                 if event.final is not None:
                     running -= 1
                     first = first or event.final
-            for chunk in stream.closing():
-                yield chunk
-            yield None
+            run.completed = True
         finally:
             if running:
-                for seq in seqs:
-                    engine.cancel(seq)
+                for seq in run.seqs:
+                    run.engine.cancel(seq)
                 error = error or ErrorEvent("client disconnected", "cancelled")
-            slot.release()
-            self.finished(record, None if error else first, error.message if error else None,
+            run.slot.release()
+            self.finished(run.record, None if error else first, error.message if error else None,
                           error.error_type if error else None,
-                          generated_tokens=sum(len(seq.generated_ids) for seq in seqs))
+                          generated_tokens=sum(len(seq.generated_ids) for seq in run.seqs))
 
 
 class GenerateRoute:
