@@ -88,16 +88,23 @@ class RunningServer:
                 self.process.kill()
 
 
-def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0, python: str = sys.executable) -> RunningServer:
-    """Start ``tokenmill launch`` (with ``python``) on a free loopback port and wait for /health."""
+def launch_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                  python: str = sys.executable) -> RunningServer:
+    """Start ``tokenmill launch`` (with ``python``) on a free loopback port, without waiting for it."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
     command = [python, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = RunningServer(process, port, log_path)
+    return RunningServer(process, port, log_path)
+
+
+def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                 ready_timeout: float = 300.0, python: str = sys.executable) -> RunningServer:
+    """:func:`launch_server`, then wait for /health."""
+    server = launch_server(args, tmp_path, env, python)
+    process = server.process
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

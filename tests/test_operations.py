@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import RunningServer, free_port, start_server
+from conftest import RunningServer, free_port, launch_server, start_server
 from otlp_collector import attributes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,17 +52,6 @@ def start_streams(server: RunningServer, count: int, max_new_tokens: int, header
     return streams, threads
 
 
-def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
-    """``tokenmill launch`` without waiting for it to be ready."""
-    port = free_port()
-    log_path = tmp_path / f"server-{port}.log"
-    command = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
-    return RunningServer(process, port, log_path)
-
-
 def health_statuses_until_ready(server: RunningServer, timeout: float = 120) -> list[int]:
     statuses: list[int] = []
     deadline = time.monotonic() + timeout
@@ -82,7 +70,7 @@ def health_statuses_until_ready(server: RunningServer, timeout: float = 120) -> 
 
 def test_health_is_503_while_loading_200_when_ready_and_503_while_draining_then_streams_finish_and_exit_is_0(
         tiny_model_dir, tmp_path):
-    server = launch(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+    server = launch_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
                      "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "60"], tmp_path)
     try:
         statuses = health_statuses_until_ready(server)
