@@ -51,9 +51,9 @@ def preflight(config: Config) -> None:
     if refusal:
         raise ConfigError(refusal)
     if config.otlp_endpoint:
-        from tokenmill.tracing import Tracing
+        from tokenmill.tracing import require_packages
 
-        Tracing.start(config.otlp_endpoint, config.otlp_service_name).shutdown()
+        require_packages()
     resolve(config.model_id, config.revision)
 
 

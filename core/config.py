@@ -156,12 +156,23 @@ class Config:
         """Adapters are served (and can be loaded at run time) with --lora-adapters or --lora-cache-limit."""
         return bool(self.lora_adapters) or self.lora_cache_limit is not None
 
+    def named_adapters(self) -> list[tuple[str, str]]:
+        """``--lora-adapters`` as (id, source) pairs: ``id`` (a hub id in the local HF cache, its own
+        source) or ``id=path``, comma-separated."""
+        pairs = []
+        for item in (self.lora_adapters or "").split(","):
+            item = item.strip()
+            if item:
+                name, _, source = item.partition("=")
+                pairs.append((name.strip(), source.strip() or name.strip()))
+        return pairs
+
     @property
     def adapter_slots(self) -> int:
         """Adapters kept in memory: --lora-cache-limit, else room for those named at start (at least 8)."""
         if self.lora_cache_limit is not None:
             return self.lora_cache_limit
-        return max(8, len([a for a in (self.lora_adapters or "").split(",") if a.strip()]))
+        return max(8, len(self.named_adapters()))
 
     def class_weights(self) -> tuple[tuple[str, float], ...]:
         """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""

@@ -263,17 +263,6 @@ def unsupported_peft_option(config: dict[str, Any]) -> str | None:
     return None
 
 
-def parse_adapter_list(text: str | None) -> list[tuple[str, str]]:
-    """``--lora-adapters``: ``id`` (a hub id in the local HF cache) or ``id=path``, comma-separated."""
-    pairs = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if item:
-            name, _, source = item.partition("=")
-            pairs.append((name.strip(), source.strip() or name.strip()))
-    return pairs
-
-
 def locate(source: str) -> Path:
     """A local adapter directory, or a hub id's snapshot already in the local Hugging Face cache."""
     path = Path(source).expanduser()

@@ -305,9 +305,8 @@ class DisconnectWatch:
             await self.app(scope, watched_receive, send)
         finally:
             record = scope.get("tokenmill.record")
-            if record is not None and not record.finished:
-                record.error, record.error_type = "the request ended without an answer", "cancelled"
-                self.state.telemetry.request_finished(record)
+            if record is not None:
+                self.state.telemetry.request_failed(record, "the request ended without an answer", "cancelled")
 
 
 # ---- JSON shapes (TGI's) --------------------------------------------------------------
@@ -819,9 +818,8 @@ class ErrorHandlers:
 
     def report(self, req: falcon.asgi.Request, message: str, error_type: str) -> None:
         record = getattr(req.context, "record", None)
-        if record is not None and not record.finished:
-            record.error, record.error_type = message, error_type
-            self.state.telemetry.request_finished(record)
+        if record is not None:
+            self.state.telemetry.request_failed(record, message, error_type)
 
     async def api_error(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: ApiError,
                         params: Any) -> None:

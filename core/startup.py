@@ -20,7 +20,7 @@ from tokenmill.engine import Engine, eos_token_ids
 from tokenmill.interfaces import BatchLimits
 from tokenmill.kv_memory import bytes_per_token
 from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
-from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError
+from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError, install
 from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
 from tokenmill.quant_linears import read_quantization_config
 
@@ -138,13 +138,11 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
 
 def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> AdapterCache:
     """Wrap the model's layers for LoRA and load the adapters --lora-adapters names."""
-    from tokenmill import lora
-
-    named = lora.parse_adapter_list(config.lora_adapters)
+    named = config.named_adapters()
 
     def load() -> AdapterCache:
         try:
-            cache = AdapterCache(lora.install(loaded.model), config.adapter_slots, config.max_lora_rank,
+            cache = AdapterCache(install(loaded.model), config.adapter_slots, config.max_lora_rank,
                                  loaded.dtype, loaded.device, base_model_id=loaded.model_id)
             for name, source in named:
                 cache.register(name, source)

@@ -80,6 +80,13 @@ class Telemetry:
             self.tracing.record_request(record)
 
 
+    def request_failed(self, record: RequestRecord, message: str, error_type: str) -> None:
+        """Report ``record`` as failed, unless it was reported already."""
+        if not record.finished:
+            record.error, record.error_type = message, error_type
+            self.request_finished(record)
+
+
 def log_request(record: RequestRecord) -> None:
     """One line per request: its outcome and timings as fields (``--json-output`` shows them all)."""
     fields: dict[str, Any] = {

@@ -25,6 +25,21 @@ class TracingUnavailable(Exception):
     ``pip install 'tokenmill[otlp]'``."""
 
 
+def require_packages() -> tuple[Any, Any, Any, Any]:
+    """The OpenTelemetry classes tracing needs (exporter, resource, provider, span processor), or
+    :class:`TracingUnavailable` naming the extra to install."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as error:
+        raise TracingUnavailable(
+            f"--otlp-endpoint needs the OpenTelemetry packages ({error}); install them with: {_INSTALL_HINT}"
+        ) from error
+    return OTLPSpanExporter, Resource, TracerProvider, BatchSpanProcessor
+
+
 def _traces_url(endpoint: str) -> str:
     """The URL spans are POSTed to: ``endpoint`` + ``/v1/traces``, unless it already ends so."""
     base = endpoint.rstrip("/")
@@ -79,15 +94,7 @@ class Tracing:
     def start(cls, endpoint: str, service_name: str) -> "Tracing":
         """Export to the collector at ``endpoint`` (``http://host:4318``, with or without ``/v1/traces``)
         as ``service_name``; raises :class:`TracingUnavailable` when the ``otlp`` extra is missing."""
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        except ImportError as error:
-            raise TracingUnavailable(
-                f"--otlp-endpoint needs the OpenTelemetry packages ({error}); install them with: {_INSTALL_HINT}"
-            ) from error
+        OTLPSpanExporter, Resource, TracerProvider, BatchSpanProcessor = require_packages()
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(endpoint))))
         return cls(provider)
