@@ -190,11 +190,16 @@ class Config:
                               f"(got {self.priority_class_weights!r})")
         return tuple((name, weights[name]) for name in PRIORITY_CLASSES)
 
+    def total_tokens_limit(self, model_max_positions: int | None) -> int:
+        """``--max-total-tokens``, or what it becomes when unset: the model's context up to 4096."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        return max(min(model_max_positions or 4096, 4096), (self.max_input_tokens or 0) + 1)
+
     def resolve_limits(self, model_max_positions: int | None) -> None:
         """Fill the token limits left unset from the model, as TGI does, then check again."""
-        context = min(model_max_positions or 4096, 4096)
         if self.max_total_tokens is None:
-            self.max_total_tokens = max(context, (self.max_input_tokens or 0) + 1)
+            self.max_total_tokens = self.total_tokens_limit(model_max_positions)
         if self.max_input_tokens is None:
             self.max_input_tokens = self.max_total_tokens - 1
         if self.max_batch_prefill_tokens is None:
@@ -260,7 +265,7 @@ _HELP = {
     "lora_cache_limit": "most LoRA adapters in memory; the least recently used idle one is evicted and reloaded when asked for again (default: 8, or as many as --lora-adapters names). Setting it also enables POST /adapters without --lora-adapters",
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy and --api-key)",
-    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run)",
+    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run); vllm with the tokenmill-vllm plugin",
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",

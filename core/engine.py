@@ -58,8 +58,13 @@ class SequenceState:
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end a sequence: the model's generation config's and the tokenizer's."""
+    return eos_ids_of(getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer)
+
+
+def eos_ids_of(generation_eos: int | list[int] | None, tokenizer: Any) -> set[int]:
+    """``generation_eos`` (an id or a list of them, from a generation config) and the tokenizer's eos id."""
     ids: set[int] = set()
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (generation_eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
@@ -74,6 +79,15 @@ def wants_prompt_logits(seq: Sequence) -> bool:
 
 
 class Engine:
+    """Continuous batching over a :class:`BackendRunner`.
+
+    A backend that brings its own engine (``Backend.owns_engine``) subclasses this class and
+    replaces :meth:`step`: it admits from ``self.queue``, starts each admitted sequence with
+    :meth:`start_sequence`, hands every token its engine chose to :meth:`accept_token`, and ends
+    sequences with :meth:`release` or :meth:`fail`. Queueing, cancellation, detokenization, stop
+    sequences and the events the HTTP side reads stay the same.
+    """
+
     def __init__(
         self,
         runner: BackendRunner,
@@ -133,6 +147,10 @@ class Engine:
         self._emit(seq, ErrorEvent("the engine is not running", "unhealthy"))
         return seq
 
+    def refusal(self, request: GenerationRequest) -> str | None:
+        """Why this engine cannot run ``request`` (answered with 422 at validation), or None."""
+        return None
+
     def cancel(self, seq: Sequence) -> None:
         """The client went away: drop the sequence at the next step and free its KV memory."""
         with self._wake:
@@ -184,12 +202,12 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            while self._wait_for_work():
+            while not self._broken and self._wait_for_work():
                 try:
                     self.run_once()
                 except Exception:  # noqa: BLE001 - a step that fails must not end the loop
                     log.exception("engine step failed; failing the running batch and starting afresh")
-                    self._fail(self.running + self.prefilling, "internal error in the engine step")
+                    self.fail(self.running + self.prefilling, "internal error in the engine step")
                     self.runner.reset()
                     self.running, self.prefilling = [], []
         except Exception:  # noqa: BLE001 - even recovery failed: stop serving, loudly
@@ -197,6 +215,12 @@ class Engine:
             self._broken = True
         finally:
             self._fail_everything("the server is shutting down" if self._stopping else "the engine stopped")
+
+    def give_up(self, reason: str) -> None:
+        """End the loop after this step, for good: what an engine-owning backend calls when its own
+        machinery has died. Every sequence gets an error, and /health reports 503."""
+        log.error("the engine gives up: %s", reason)
+        self._broken = True
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the engine is stopping."""
@@ -261,7 +285,7 @@ class Engine:
         """Forget cancelled sequences, waiting or running, and free their KV memory now."""
         for seq in cancelled.values():
             self.queue.remove(seq)
-        self._release(list(cancelled.values()))
+        self.release(list(cancelled.values()))
 
     def step(self) -> None:
         """One engine step: the running batch decodes one token while newcomers (and chunks of
@@ -282,7 +306,7 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
             self._observe(method, len(plan), started, started, ok=False)
-            self._fail(prefilling + decoding, f"generation failed: {type(error).__name__}: {error}")
+            self.fail(prefilling + decoding, f"generation failed: {type(error).__name__}: {error}")
             return
         forwarded = time.perf_counter()
         self._sample(prefilling, chunks, decoding, out)
@@ -301,7 +325,7 @@ class Engine:
         if out.prefill_error is not None:
             error = out.prefill_error
             log.error("prefill failed: %s: %s", type(error).__name__, error)
-            self._fail(prefilling, f"prefill failed: {type(error).__name__}: {error}")
+            self.fail(prefilling, f"prefill failed: {type(error).__name__}: {error}")
         elif prefilling:
             assert out.prefill is not None
             self._prefilled(prefilling, chunks, out.prefill)
@@ -358,7 +382,7 @@ class Engine:
             if not chunk:  # it must go whole and does not fit what is left: first in line next step
                 self.queue.requeue(seq)
                 continue
-            if not self._start(seq):
+            if not self.start_sequence(seq):
                 continue
             self.prefilling.append(seq)
             plan.append((seq, chunk))
@@ -373,7 +397,7 @@ class Engine:
         # All at once. One that could never fit a step's budget runs oversized rather than wait forever.
         return whole if whole <= budget or whole > self.prefill_budget else 0
 
-    def _start(self, seq: Sequence) -> bool:
+    def start_sequence(self, seq: Sequence) -> bool:
         """Give an admitted sequence its sampling state (kept across preemptions)."""
         if seq.state is not None:
             return True
@@ -382,7 +406,7 @@ class Engine:
             seq.admitted_at = time.monotonic()
             return True
         except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
-            self._fail([seq], f"could not start the request: {error}")
+            self.fail([seq], f"could not start the request: {error}")
             return False
 
     def _prefilled(self, seqs: list[Sequence], chunks: list[int], out: PrefillOutput) -> None:
@@ -407,13 +431,13 @@ class Engine:
             holders = self.running + self.prefilling
             victim = max(holders, key=lambda s: (s.arrived_at, s.id))
             if len(holders) == 1:  # alone and still too big: recomputing it would not help
-                self._fail([victim], "the KV cache cannot hold this sequence")
+                self.fail([victim], "the KV cache cannot hold this sequence")
                 return
             self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
-        self._release([seq])
+        self.release([seq])
         seq.num_computed = 0
         self.queue.requeue(seq)
         self.preemptions += 1
@@ -432,7 +456,10 @@ class Engine:
         return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer))
 
     def _prompt_tokens(self, prompt_ids: list[int], logits: torch.Tensor) -> list[TokenInfo]:
-        logprobs = prompt_logprobs(prompt_ids, logits)
+        return self.prompt_token_infos(prompt_ids, prompt_logprobs(prompt_ids, logits))
+
+    def prompt_token_infos(self, prompt_ids: list[int], logprobs: list[float | None]) -> list[TokenInfo]:
+        """The prompt's tokens with their log-probabilities, as ``decoder_input_details`` reports them."""
         return [
             TokenInfo(i, self.tokenizer.decode([i]), lp, i in self.special_ids)
             for i, lp in zip(prompt_ids, logprobs)
@@ -452,7 +479,7 @@ class Engine:
                 log.exception("sequence %d failed", seq.id)
                 self._emit(seq, ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
                 finished.append(seq)
-        self._release(finished)
+        self.release(finished)
 
     def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """The next-token mask of each constrained sequence, by id, computed for all of them at once."""
@@ -466,7 +493,7 @@ class Engine:
             return {}
         return {seq.id: allowed[i] for i, seq in enumerate(constrained)}
 
-    def _release(self, seqs: list[Sequence]) -> None:
+    def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend (whether or not they joined the batch) and forget them."""
         if not seqs:
             return
@@ -475,10 +502,10 @@ class Engine:
         self.running = [s for s in self.running if s.id not in leaving]
         self.prefilling = [s for s in self.prefilling if s.id not in leaving]
 
-    def _fail(self, seqs: list[Sequence], message: str) -> None:
+    def fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
             self._emit(seq, ErrorEvent(message))
-        self._release(list(seqs))
+        self.release(list(seqs))
 
     @staticmethod
     def _emit(seq: Sequence, event: Event) -> None:
@@ -491,7 +518,13 @@ class Engine:
         state: SequenceState = seq.state
         history = seq.prompt_ids + seq.generated_ids if state.sampler.needs_history else []
         choice = state.sampler.choose(history, logits, allowed)
-        token_id = choice.token_id
+        return self.accept_token(seq, choice.token_id, choice.logprob, choice.top)
+
+    def accept_token(self, seq: Sequence, token_id: int, logprob: float | None,
+                     top: list[tuple[int, float]] | None = None) -> bool:
+        """Append a chosen token to ``seq``: detokenize it, check the stop criteria and send its event.
+        True when the sequence has finished (its final event is sent; the caller releases it)."""
+        state: SequenceState = seq.state
         seq.generated_ids.append(token_id)
         seq.num_computed = seq.total_len - 1  # every token but the newest is in the KV cache
         special = token_id in self.special_ids
@@ -501,15 +534,15 @@ class Engine:
         reason = self._finish_reason(seq, token_id, text)
         if reason is not None and not special:
             text += state.detokenizer.finish()
-        token = TokenInfo(token_id, text, choice.logprob, special)
-        top = [TokenInfo(i, self.tokenizer.decode([i]), lp, i in self.special_ids) for i, lp in choice.top]
+        token = TokenInfo(token_id, text, logprob, special)
+        top_tokens = [TokenInfo(i, self.tokenizer.decode([i]), lp, i in self.special_ids) for i, lp in top or ()]
         seq.tokens.append(token)
-        seq.top_tokens.append(top)
+        seq.top_tokens.append(top_tokens)
         final = None
         if reason is not None:
             seq.finish_reason = reason
             final = self._final(seq, state, reason)
-        self._emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top, final=final))
+        self._emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top_tokens, final=final))
         return reason is not None
 
     def _finish_reason(self, seq: Sequence, token_id: int, new_text: str) -> str | None:

@@ -82,7 +82,7 @@ class GrammarCompiler:
         if start.is_error():
             lines = [line.strip() for line in start.get_error().splitlines() if line.strip()]
             raise GrammarError(f"invalid {kind} grammar: {' '.join(lines[:3])}")
-        return Grammar(kind, start, self.vocab_size)
+        return Grammar(kind, start, self.vocab_size, source)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class Grammar:
     start: Any
     """llguidance's matcher at the grammar's start, never advanced itself."""
     vocab_size: int
+    source: str = ""
+    """The grammar in llguidance's serialized form, for an engine that compiles grammars itself."""
 
     def new_matcher(self, end_ids: frozenset[int] = frozenset()) -> TokenMatcher:
         """A fresh walk: a copy of the start state (a thousand times cheaper than compiling again).

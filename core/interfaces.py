@@ -8,11 +8,13 @@ implementation can run on this machine, else why not ("needs CUDA").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.engine import Engine
     from tokenmill.sequence import Sequence
 
 
@@ -290,18 +292,50 @@ class BackendRunner(Protocol):
         ...
 
 
+@dataclass
+class EngineSetup:
+    """What tokenmill hands a backend that brings its own engine, in place of a loaded model."""
+
+    model_path: Path
+    """A local transformers checkpoint directory (a GGUF file is converted to one first)."""
+    model_id: str
+    tokenizer: Any
+    """The tokenizer tokenmill validates, detokenizes and stops with."""
+    model_config: Any
+    """The checkpoint's transformers config."""
+    dtype: torch.dtype
+    device: torch.device
+    config: Any
+    """The server's :class:`tokenmill.config.Config` (limits, ``--max-batch-size``, ``--dtype``)."""
+    eos_ids: set[int]
+    pm: Any
+    """The plugin manager, for the engine's hooks (logits processors)."""
+    new_queue: Callable[[int], SchedulerQueue]
+    """The chosen scheduler's queue for a KV memory of that many positions; call it once, when the
+    engine knows its size (it settles ``--max-batch-total-tokens`` and the other limits)."""
+
+
 class Backend(Implementation):
-    """Runs a model's forward passes for the engine."""
+    """Runs a model's forward passes for the engine, or, with ``owns_engine``, is the engine."""
 
     kind = "backend"
     kv_layout: str = "padded"
     """The KV layout this backend needs from the allocator and the attention kernel."""
     default_attention: str = "sdpa"
     default_kv_allocator: str = "dynamic"
+    owns_engine: bool = False
+    """True for a backend that loads the model and schedules, samples and keeps KV memory in an engine
+    of its own (vLLM's): tokenmill then loads only the tokenizer and calls :meth:`create_engine`
+    instead of :meth:`create`, and the attention and KV-allocator flags do not apply."""
 
     def model_unsupported_reason(self, model: Any) -> str | None:
         """None when this backend can run ``model``, else why not (one line)."""
         return None
 
     def create(self, model: Any, kv_store: Any, attention: AttentionKernel) -> BackendRunner:
+        raise NotImplementedError
+
+    def create_engine(self, setup: EngineSetup) -> Engine:
+        """(``owns_engine`` only.) Load the model into this backend's own engine and return a
+        :class:`tokenmill.engine.Engine` subclass that drives it, not started."""
         raise NotImplementedError

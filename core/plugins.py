@@ -219,8 +219,9 @@ class Chosen:
     """The plugins one server runs with, checked to fit each other."""
 
     backend: Implementation
-    attention: Implementation
-    kv_allocator: Implementation
+    attention: Implementation | None
+    """None when the backend brings its own engine (``owns_engine``), as for ``kv_allocator``."""
+    kv_allocator: Implementation | None
     scheduler: Implementation
     block_size: int
 
@@ -238,6 +239,11 @@ def choose_all(pm: pluggy.PluginManager, backend: str, attention: str | None, kv
                 reasons.append(str(error))
         raise PluginError("--backend auto found no backend that works here: " + "; ".join(reasons))
     chosen_backend = choose(pm, "backend", backend)
+    if getattr(chosen_backend, "owns_engine", False):
+        for flag, value in (("--attention", attention), ("--kv-allocator", kv_allocator), ("--block-size", block_size)):
+            if value is not None:
+                raise PluginError(f"{flag} does not apply to --backend {backend}, which runs its own engine")
+        return Chosen(chosen_backend, None, None, choose(pm, "scheduler", scheduler), 0)
     layout = chosen_backend.kv_layout  # type: ignore[attr-defined]
     chosen_attention = choose(pm, "attention", attention or chosen_backend.default_attention)  # type: ignore[attr-defined]
     if layout not in chosen_attention.layouts:  # type: ignore[attr-defined]

@@ -114,7 +114,7 @@ class ServerState:
         adapters = started.adapters
         self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size,
                                    adapter_names=(lambda: adapters.names) if adapters is not None else None,
-                                   model_id=started.loaded.model_id)
+                                   model_id=started.loaded.model_id, refusal=started.engine.refusal)
         assert self.config.max_input_tokens and self.config.max_total_tokens
         self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
         started.engine.step_observer = self.metrics.step_finished
@@ -795,9 +795,9 @@ class InfoRoute:
             "sha": None,
             "docker_label": os.environ.get("DOCKER_LABEL"),
             "backend": state.chosen.backend.name if state.chosen else config.backend,
-            "attention": state.chosen.attention.name if state.chosen else config.attention,
+            "attention": plugin_name(state.chosen.attention) if state.chosen else config.attention,
             "scheduler": config.scheduler,
-            "kv_allocator": state.chosen.kv_allocator.name if state.chosen else config.kv_allocator,
+            "kv_allocator": plugin_name(state.chosen.kv_allocator) if state.chosen else config.kv_allocator,
             "block_size": state.chosen.block_size if state.chosen and state.chosen.backend.kv_layout == "paged" else None,
             "kv": state.engine.runner.kv_usage() if state.engine else None,
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
@@ -807,6 +807,11 @@ class InfoRoute:
             "queue_size": state.engine.queue_size if state.engine else 0,
             "batch_size": state.engine.batch_size if state.engine else 0,
         }
+
+
+def plugin_name(chosen: Any) -> str | None:
+    """A chosen plugin's name; None where the backend's own engine does that part."""
+    return chosen.name if chosen is not None else None
 
 
 class ErrorHandlers:

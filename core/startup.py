@@ -16,10 +16,19 @@ import torch
 from tokenmill import native_kernels, sharding
 from tokenmill.config import Config
 from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
-from tokenmill.engine import Engine, eos_token_ids
-from tokenmill.interfaces import BatchLimits
+from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
+from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
 from tokenmill.kv_memory import bytes_per_token
-from tokenmill.loading import LoadedModel, ModelLoadError, Stages, load_model
+from tokenmill.loading import (
+    LoadedModel,
+    ModelLoadError,
+    Stages,
+    converted_gguf,
+    load_model,
+    pick_device,
+    pick_dtype,
+    resolve,
+)
 from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError, install
 from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
 from tokenmill.quant_linears import read_quantization_config
@@ -69,6 +78,10 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         native_kernels.turn_off("--disable-custom-kernels")
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
                         config.block_size)
+    if chosen.attention is None:
+        if on_chosen:
+            on_chosen(chosen)
+        return start_owned_engine(config, pm, stages, chosen)
     # A paged backend routes attention itself once it runs; until then the model loads with sdpa.
     attention = chosen.attention.transformers_name or "sdpa"  # type: ignore[attr-defined]
     sharded = config.num_shard > 1
@@ -114,17 +127,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
             "kv_allocator": chosen.kv_allocator.name, "block_size": chosen.block_size,
             "max_tokens": config.max_batch_total_tokens, "kv_dtype": kv_dtype(config, loaded),
             "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels})
-    queue = chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_batch_total_tokens=config.max_batch_total_tokens,
-        max_batch_size=config.max_batch_size,
-        padded=not paged,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        priority_class_weights=config.class_weights(),
-        priority_aging=config.priority_aging,
-        priority_cost=config.priority_cost,
-    ))
+    queue = new_queue(config, chosen, padded=not paged)
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
                     watermark=(config.watermark_gamma, config.watermark_delta))
@@ -134,6 +137,81 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
     return Started(engine, loaded, chosen, vocab_size, adapters)
+
+
+def new_queue(config: Config, chosen: Chosen, padded: bool) -> SchedulerQueue:
+    """The chosen scheduler's waiting queue, within the resolved limits."""
+    assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
+    return chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+        max_batch_size=config.max_batch_size,
+        padded=padded,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        priority_class_weights=config.class_weights(),
+        priority_aging=config.priority_aging,
+        priority_cost=config.priority_cost,
+    ))
+
+
+def owned_engine_refusal(config: Config, chosen: Chosen) -> str | None:
+    """Why these settings cannot run with a backend that brings its own engine, or None."""
+    name = chosen.backend.name
+    for flag, value in (("--num-shard", config.num_shard > 1), ("--quantize", config.quantize),
+                        ("--lora-adapters", config.lora_enabled),
+                        ("--kv-cache-dtype", config.kv_cache_dtype not in (None, "auto"))):
+        if value:
+            return f"{flag} is not supported with --backend {name}, which loads and runs the model in its own engine"
+    return None
+
+
+def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages, chosen: Chosen) -> Started:
+    """A backend with its own engine (``owns_engine``): load only the tokenizer and the checkpoint's
+    config here; the backend loads the weights, and its engine is warmed up like ours."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    refusal = owned_engine_refusal(config, chosen)
+    if refusal:
+        raise ModelLoadError(refusal)
+    display_id, path = stages.run("resolving", lambda: resolve(config.model_id, config.revision),
+                                  detail=str(config.model_id or "default"))
+    if path.suffix == ".gguf":
+        path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
+    tokenizer, model_config = stages.run("loading tokenizer", lambda: (
+        AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code),
+        AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)), detail=str(path))
+    device = pick_device()
+    dtype = pick_dtype(config.dtype, device)
+    context = getattr(model_config, "max_position_embeddings", None)
+
+    def queue_for(kv_tokens: int) -> SchedulerQueue:
+        if config.max_batch_total_tokens is None:
+            config.max_batch_total_tokens = kv_tokens
+        config.resolve_limits(context)
+        return new_queue(config, chosen, padded=False)
+
+    setup = EngineSetup(path, display_id, tokenizer, model_config, dtype, device, config,
+                        eos_ids_of(generation_eos(path, model_config), tokenizer), pm, queue_for)
+    engine = stages.run("starting engine", lambda: chosen.backend.create_engine(setup),  # type: ignore[attr-defined]
+                        detail=f"--backend {chosen.backend.name}")
+    assert config.max_input_tokens and config.max_batch_prefill_tokens, "create_engine must call setup.new_queue"
+    vocab_size = int(getattr(model_config, "vocab_size", None) or len(tokenizer))
+    warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
+    stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(tokenizer))))
+    log.info("ready: %s on %s (%s backend)", display_id, device, chosen.backend.name)
+    loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done)
+    return Started(engine, loaded, chosen, vocab_size)
+
+
+def generation_eos(path: Any, model_config: Any) -> Any:
+    """The end-of-sequence id(s) of the checkpoint's generation config, else of its model config."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        return getattr(model_config, "eos_token_id", None)
 
 
 def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> AdapterCache:
@@ -190,6 +268,8 @@ def available_memory_bytes() -> int:
 
 def kv_cache_refusal(config: Config, chosen: Chosen, device_type: str) -> str | None:
     """Why ``--kv-cache-dtype`` cannot be honoured with these plugins on this device, or None."""
+    if chosen.attention is None:
+        return owned_engine_refusal(config, chosen)
     if config.kv_cache_dtype in (None, "auto"):
         return None
     if device_type != "cuda":

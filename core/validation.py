@@ -103,7 +103,8 @@ class Validator:
     """Checks requests against the loaded model and the server's limits."""
 
     def __init__(self, tokenizer: Any, config: Config, vocab_size: int,
-                 adapter_names: Callable[[], list[str]] | None = None, model_id: str | None = None) -> None:
+                 adapter_names: Callable[[], list[str]] | None = None, model_id: str | None = None,
+                 refusal: Callable[[GenerationRequest], str | None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
@@ -112,6 +113,8 @@ class Validator:
         """The LoRA adapters served now (None: the server serves none)."""
         self.model_id = model_id
         """The base model's id, which as ``adapter_id`` means no adapter."""
+        self.refusal = refusal
+        """The engine's word on a valid request it still cannot run (``Engine.refusal``)."""
 
     def generate(self, inputs: str, params: dict[str, Any], stream: bool, *, add_special_tokens: bool = True,
                  max_top_n: int | None = None, grammar: Grammar | None = None) -> GenerationRequest:
@@ -121,7 +124,12 @@ class Validator:
         request = validate_generate(inputs, params, self.tokenizer, self.config, stream, self.vocab_size,
                                     self.grammars, add_special_tokens, max_top_n, grammar)
         adapter_id = self.adapter(params.get("adapter_id"), "adapter_id")
-        return replace(request, adapter_id=adapter_id) if adapter_id else request
+        if adapter_id:
+            request = replace(request, adapter_id=adapter_id)
+        refused = self.refusal(request) if self.refusal is not None else None
+        if refused:
+            raise ValidationError(refused)
+        return request
 
     def adapter(self, requested: Any, field_name: str) -> str | None:
         """The adapter a request names (None for the base model), or ValidationError listing the known ones."""
