@@ -45,9 +45,9 @@ def preflight(config: Config) -> None:
         if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and torch.cuda.device_count() < config.num_shard:
             raise ConfigError(f"--num-shard {config.num_shard} needs a GPU per shard; this machine has "
                               f"{torch.cuda.device_count()}")
-    from tokenmill.startup import kv_cache_refusal
+    from tokenmill.startup import settings_refusal
 
-    refusal = kv_cache_refusal(config, chosen, "cuda" if torch.cuda.is_available() else "cpu")
+    refusal = settings_refusal(config, chosen, "cuda" if torch.cuda.is_available() else "cpu")
     if refusal:
         raise ConfigError(refusal)
     if config.otlp_endpoint:

@@ -91,7 +91,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code,
                             stages, pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
     chosen = fit_backend(pm, config, chosen, loaded.model)
-    refusal = kv_cache_refusal(config, chosen, loaded.device.type)
+    refusal = settings_refusal(config, chosen, loaded.device.type)
     if refusal:
         raise ModelLoadError(refusal)
     if on_chosen:
@@ -266,8 +266,9 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_cache_refusal(config: Config, chosen: Chosen, device_type: str) -> str | None:
-    """Why ``--kv-cache-dtype`` cannot be honoured with these plugins on this device, or None."""
+def settings_refusal(config: Config, chosen: Chosen, device_type: str) -> str | None:
+    """Why these settings cannot be honoured with these plugins on this device (``--kv-cache-dtype``, or the
+    flags a backend with its own engine does not take), or None."""
     if chosen.attention is None:
         return owned_engine_refusal(config, chosen)
     if config.kv_cache_dtype in (None, "auto"):
