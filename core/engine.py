@@ -85,7 +85,9 @@ class Engine:
     replaces :meth:`step`: it admits from ``self.queue``, starts each admitted sequence with
     :meth:`start_sequence`, hands every token its engine chose to :meth:`accept_token`, and ends
     sequences with :meth:`release` or :meth:`fail`. Queueing, cancellation, detokenization, stop
-    sequences and the events the HTTP side reads stay the same.
+    sequences and the events the HTTP side reads stay the same. Its runner still answers
+    ``chunked_prefill``, ``pausable``, ``kv_block_size``, ``kv_free_tokens``, ``release``,
+    ``reset`` and ``kv_usage``.
     """
 
     def __init__(
