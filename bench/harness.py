@@ -49,7 +49,7 @@ SCENARIOS = {
     "vllm": Scenario("vllm", (1, 8, 32), ("vllm-cpu", "tokenmill-vllm"), time_bound_s=120,
                      about="vLLM's own server and tokenmill --backend vllm (the same engine) at 1, 8 and 32"),
     "full": Scenario("full", (1, 8, 32, 64), tuple(peers.SYSTEMS), time_bound_s=120,
-                     about="every system at 1, 8, 32 and 64 (about 45 minutes with all peers installed)"),
+                     about="every system at 1, 8, 32 and 64 (about an hour with all peers installed)"),
 }
 
 
