@@ -183,6 +183,15 @@ def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_checkpoint(model_id: str | None, revision: str | None, stages: Stages) -> tuple[str, Path]:
+    """The load stages that find the checkpoint: (its display id, a local checkpoint directory), a GGUF
+    file converted first (once)."""
+    display_id, path = stages.run("resolving", lambda: resolve(model_id, revision), detail=str(model_id or "default"))
+    if path.suffix == ".gguf":
+        path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
+    return display_id, path
+
+
 def load_model(
     model_id: str | None,
     revision: str | None,
@@ -199,9 +208,7 @@ def load_model(
 
     transformers_logging.disable_progress_bar()  # progress bars are noise in a server's log
     stages = stages or Stages()
-    display_id, path = stages.run("resolving", lambda: resolve(model_id, revision), detail=str(model_id or "default"))
-    if path.suffix == ".gguf":
-        path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
+    display_id, path = resolve_checkpoint(model_id, revision, stages)
     device = pick_device()
     dtype = pick_dtype(dtype_name, device)
     quantizer = pick_quantizer(path) if pick_quantizer else None

@@ -23,11 +23,10 @@ from tokenmill.loading import (
     LoadedModel,
     ModelLoadError,
     Stages,
-    converted_gguf,
     load_model,
     pick_device,
     pick_dtype,
-    resolve,
+    resolve_checkpoint,
 )
 from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError, install
 from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
@@ -174,10 +173,7 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     refusal = owned_engine_refusal(config, chosen)
     if refusal:
         raise ModelLoadError(refusal)
-    display_id, path = stages.run("resolving", lambda: resolve(config.model_id, config.revision),
-                                  detail=str(config.model_id or "default"))
-    if path.suffix == ".gguf":
-        path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
+    display_id, path = resolve_checkpoint(config.model_id, config.revision, stages)
     tokenizer, model_config = stages.run("loading tokenizer", lambda: (
         AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code),
         AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)), detail=str(path))
