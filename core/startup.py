@@ -131,8 +131,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
                     watermark=(config.watermark_gamma, config.watermark_delta))
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
-    warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-    stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(loaded.tokenizer))))
+    warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)))
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
     return Started(engine, loaded, chosen, vocab_size, adapters)
@@ -193,11 +192,17 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                         detail=f"--backend {chosen.backend.name}")
     assert config.max_input_tokens and config.max_batch_prefill_tokens, "create_engine must call setup.new_queue"
     vocab_size = int(getattr(model_config, "vocab_size", None) or len(tokenizer))
-    warmup_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-    stages.run("warm-up", lambda: engine.warmup(warmup_tokens, min(vocab_size, len(tokenizer))))
+    warm_up(engine, config, stages, min(vocab_size, len(tokenizer)))
     log.info("ready: %s on %s (%s backend)", display_id, device, chosen.backend.name)
     loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done)
     return Started(engine, loaded, chosen, vocab_size)
+
+
+def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int) -> None:
+    """The warm-up load stage: one short request of random token ids through prefill and decode."""
+    assert config.max_input_tokens and config.max_batch_prefill_tokens
+    prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
+    stages.run("warm-up", lambda: engine.warmup(prompt_tokens, token_ids_below))
 
 
 def generation_eos(path: Any, model_config: Any) -> Any:

@@ -199,8 +199,11 @@ class VllmEngine(Engine):
         super().__init__(runner, queue, setup.tokenizer, setup.eos_ids, config.max_batch_prefill_tokens, setup.pm,
                          stream_buffer_tokens=config.stream_buffer_tokens)
         self.llm = llm
-        self.vllm_runner = runner
         self.by_request_id: dict[str, Sequence] = {}
+
+    @property
+    def vllm_runner(self) -> VllmRunner:
+        return self.runner  # type: ignore[return-value]
 
     def refusal(self, request: GenerationRequest) -> str | None:
         return unsupported_reason(request)
