@@ -70,6 +70,7 @@ class Config:
     kv_cache_dtype: str | None = None
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
+    compile_model: bool = True
     disable_custom_kernels: bool = False
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
@@ -273,6 +274,7 @@ _HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 (CUDA, paged backend with sdpa attention)",
     "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
     "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",
+    "compile_model": "CPU, paged backend: run the forward through torch.compile (inductor; tens of seconds more at start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)",
     "disable_custom_kernels": "use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for SDPA instead)",
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",

@@ -126,12 +126,14 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
             "kv_allocator": chosen.kv_allocator.name, "block_size": chosen.block_size,
             "max_tokens": config.max_batch_total_tokens, "kv_dtype": kv_dtype(config, loaded),
             "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels})
+    compiling = config.compile_model and _compile(config, loaded, runner)
     queue = new_queue(config, chosen, padded=not paged)
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
                     watermark=(config.watermark_gamma, config.watermark_delta))
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
-    warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)))
+    warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
+            detail="compiling the forward (torch.compile)" if compiling else "")
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
     return Started(engine, loaded, chosen, vocab_size, adapters)
@@ -198,11 +200,35 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     return Started(engine, loaded, chosen, vocab_size)
 
 
-def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int) -> None:
-    """The warm-up load stage: one short request of random token ids through prefill and decode."""
+def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int, detail: str = "") -> None:
+    """The warm-up load stage: one short request of random token ids through prefill and decode
+    (where the forward is compiled, its first steps compile it)."""
     assert config.max_input_tokens and config.max_batch_prefill_tokens
     prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-    stages.run("warm-up", lambda: engine.warmup(prompt_tokens, token_ids_below))
+    stages.run("warm-up", lambda: engine.warmup(prompt_tokens, token_ids_below), detail=detail)
+
+
+def compile_unavailable_reason(config: Config, loaded: LoadedModel, runner: Any) -> str | None:
+    """Why the model forward is not compiled with these settings, or None."""
+    if not hasattr(runner, "compile_forward"):
+        return "the backend runs its forward eagerly"
+    if config.num_shard > 1:
+        return "a sharded forward (--num-shard) is not compiled"
+    if config.lora_enabled:
+        return "LoRA adapters change the layers' work per request"
+    if config.quantize or getattr(loaded.model, "hf_quantizer", None) is not None:
+        return "quantized layers are not compiled"
+    return runner.compile_unavailable_reason()
+
+
+def _compile(config: Config, loaded: LoadedModel, runner: Any) -> bool:
+    """Have ``runner`` compile its forward where it can (the warm-up then compiles it)."""
+    reason = compile_unavailable_reason(config, loaded, runner)
+    if reason:
+        log.info("the forward runs eagerly: %s", reason)
+        return False
+    runner.compile_forward()
+    return True
 
 
 def generation_eos(path: Any, model_config: Any) -> Any:

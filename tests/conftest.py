@@ -93,7 +93,8 @@ def launch_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = 
     """Start ``tokenmill launch`` (with ``python``) on a free loopback port, without waiting for it."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
+    # Servers run their forward eagerly unless a test asks: compiling costs each start tens of seconds.
+    full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", "COMPILE_MODEL": "false", **(env or {})}
     command = [python, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)

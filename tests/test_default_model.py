@@ -9,6 +9,7 @@ import torch
 
 from conftest import start_server
 from engine_helpers import Collector, build_engine, reference_greedy
+from tokenmill.cpu_linears import pack_linears
 from tokenmill.loading import DEFAULT_MODEL_FILE, converted_gguf, default_gguf
 from tokenmill.sequence import GenerationRequest, SamplingParams
 
@@ -32,7 +33,7 @@ def chat_prompt(question: str) -> str:
 
 @pytest.mark.parametrize("backend", ["transformers", "paged"])
 def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend, smollm2_cache, tmp_path):
-    env = {"TOKENMILL_CACHE_DIR": str(smollm2_cache)}
+    env = {"TOKENMILL_CACHE_DIR": str(smollm2_cache), "COMPILE_MODEL": "true"}  # the default settings
     fresh_cache = not any(smollm2_cache.iterdir())
     prompt = chat_prompt("What is the capital of France?")
     first = start_server(["--server", "uvicorn", "--backend", backend], tmp_path, env=env)
@@ -48,10 +49,12 @@ def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["backend"] == backend
     stages = {s["stage"]: s["seconds"] for s in info["load_stages"]}
     assert set(stages) == {"resolving", "converting gguf", "loading weights", "packing weights", "warm-up"}
+    warm_up = next(s for s in info["load_stages"] if s["stage"] == "warm-up")
+    assert warm_up["detail"] == ("compiling the forward (torch.compile)" if backend == "paged" else ""), warm_up
     if fresh_cache:
         assert stages["converting gguf"] > 1.0, stages
 
-    second = start_server(["--server", "uvicorn", "--backend", backend], tmp_path, env=env)
+    second = start_server(["--server", "uvicorn", "--backend", backend, "--no-compile-model"], tmp_path, env=env)
     try:
         with second.client() as client:
             again = {s["stage"]: s["seconds"] for s in client.get("/info").json()["load_stages"]}
@@ -70,8 +73,13 @@ def test_paged_and_transformers_give_generate_s_greedy_tokens_on_smollm2(smollm2
     reference = load()
     prompts = [chat_prompt(q) for q in ("What is the capital of France?", "Name three colours.",
                                          "Write a haiku about the sea.", "What is 12 times 12?")]
-    for backend in ("transformers", "paged"):
-        engine = build_engine(load(), tokenizer, backend=backend, ignore_eos=True, max_batch_prefill_tokens=40)
+    for backend, compiled in (("transformers", False), ("paged", False), ("paged", True)):
+        model = load()
+        if compiled:  # as tokenmill launch runs it by default: packed weights, compiled forward
+            pack_linears(model)
+        engine = build_engine(model, tokenizer, backend=backend, ignore_eos=True, max_batch_prefill_tokens=40)
+        if compiled:
+            engine.runner.compile_forward()
         sinks = [Collector() for _ in prompts]
         for index, (prompt, sink) in enumerate(zip(prompts, sinks)):
             ids = tokenizer(prompt)["input_ids"]
@@ -81,5 +89,5 @@ def test_paged_and_transformers_give_generate_s_greedy_tokens_on_smollm2(smollm2
         while not all(s.done for s in sinks):
             engine.run_once()
         for prompt, sink in zip(prompts, sinks):
-            assert sink.token_ids == reference_greedy(reference, tokenizer, prompt, 24), (backend, prompt)
+            assert sink.token_ids == reference_greedy(reference, tokenizer, prompt, 24), (backend, compiled, prompt)
         assert engine.runner.kv_usage()["bytes"] == 0

@@ -250,3 +250,51 @@ def test_a_request_as_long_as_the_whole_pool_runs_alone_and_the_queue_moves_on(p
     assert [len(s.token_ids) for s in sinks] == [55, 20]  # the second ran beside it until preempted
     check_against_generate(tiny_model[0], tokenizer, requests, sinks)
     assert_pool_empty(engine)
+
+
+def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_joins_and_single_rows(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
+    engine.runner.compile_forward()
+    requests = REQUESTS + [(PROMPTS[0], 30, 40)]  # the last one decodes alone: a step of one token
+    sinks, seen = run(engine, requests)
+    assert seen["max_prefilling"] >= 1 and seen["max_batch"] >= 4
+    check_against_generate(tiny_model[0], tokenizer, requests, sinks)
+    assert_pool_empty(engine)
+
+
+def test_compiling_is_a_setting_that_defaults_on():
+    from tokenmill.config import parse_config
+
+    assert parse_config([], env={}).compile_model is True
+    assert parse_config(["--no-compile-model"], env={}).compile_model is False
+    assert parse_config([], env={"COMPILE_MODEL": "false"}).compile_model is False
+
+
+@pytest.mark.parametrize("settings, reason", [
+    ({}, None),
+    ({"num_shard": 2}, "--num-shard"),
+    ({"lora_adapters": "a=/adapters/a"}, "LoRA"),
+    ({"quantize": "fp8"}, "quantized"),
+])
+def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_out(settings, reason, paged_model,
+                                                                                 tiny_model):
+    from types import SimpleNamespace
+
+    from tokenmill.config import Config
+    from tokenmill.startup import compile_unavailable_reason
+
+    engine = build_engine(paged_model, tiny_model[1], backend="paged")
+    found = compile_unavailable_reason(Config(**settings), SimpleNamespace(model=paged_model), engine.runner)
+    assert found is None if reason is None else reason in found
+
+
+def test_the_transformers_runner_runs_eagerly(tiny_model):
+    from types import SimpleNamespace
+
+    from tokenmill.config import Config
+    from tokenmill.startup import compile_unavailable_reason
+
+    engine = build_engine(tiny_model[0], tiny_model[1], backend="transformers")
+    assert compile_unavailable_reason(Config(), SimpleNamespace(model=tiny_model[0]), engine.runner) == \
+        "the backend runs its forward eagerly"

@@ -398,7 +398,7 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
     from tokenmill.server import create_app
 
     config = parse_config(["--model-id", str(tiny_model_dir), "--backend", "paged", "--stream-buffer-tokens", "4",
-                           "--max-total-tokens", "512", "--max-input-tokens", "64"], env={})
+                           "--max-total-tokens", "512", "--max-input-tokens", "64", "--no-compile-model"], env={})
     app = create_app(config, build_plugin_manager(autoload=False))
     body = json.dumps({"inputs": "The password is swordfish. " + PROMPTS[1],
                        "parameters": {"max_new_tokens": 200}}).encode()

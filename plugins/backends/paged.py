@@ -7,10 +7,17 @@ transformers' attention routed, through ``AttentionInterface``, to
 sequences' blocks and lets the attention kernel plugin attend, per sequence, over
 its own blocks. Any model whose layers use that interface runs this way.
 ``flash`` is the same backend with the flash-attn kernel.
+
+On CPU the forward may be compiled (:meth:`PagedRunner.compile_forward`, ``--compile-model``):
+inductor fuses what lies between the matmuls (norms, rotary, activations, residual adds). The
+attention then runs as the opaque operator ``tokenmill::paged_attention``, which finds its step
+in :data:`_current_step`: a compiled graph takes tensors, and a Python object passed in would
+make it recompile at every step.
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -25,28 +32,54 @@ from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
 
+_current_step: contextvars.ContextVar[PagedStep] = contextvars.ContextVar("tokenmill_paged_step")
+"""The step a compiled forward is running; set by :meth:`PagedRunner._forward` for that call only."""
+
+
+@torch.library.custom_op("tokenmill::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                        scaling: float, sliding_window: int) -> torch.Tensor:
+    """:func:`paged_attention_forward` as one operator a compiled graph calls as it is (0: no window)."""
+    step = _current_step.get(None)
+    if step is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a tokenmill paged step")
+    return _attend(step, layer_idx, query, key, value, scaling, sliding_window or None)
+
+
+@_paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float,
+      sliding_window: int) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
 
 def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                             paged_step: PagedStep | None = None, sliding_window: int | None = None,
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` ``[1, heads, tokens, dim]``, ``key``/``value``
-    ``[1, kv_heads, tokens, dim]`` for this step's tokens; returns ``[1, tokens, heads, dim]``."""
-    if paged_step is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a tokenmill paged step")
+    ``[1, kv_heads, tokens, dim]`` for this step's tokens; returns ``[1, tokens, heads, dim]``.
+    A compiled forward passes no ``paged_step``: the operator finds it in :data:`_current_step`."""
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention logit soft-capping and sinks are not supported by the paged backend")
-    key_cache, value_cache = paged_step.pool.layer(module.layer_idx)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_step is None:
+        return _paged_attention_op(query, key, value, module.layer_idx, scale, sliding_window or 0), None
+    return _attend(paged_step, module.layer_idx, query, key, value, scale, sliding_window), None
+
+
+def _attend(paged_step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Write this step's keys and values into the sequences' blocks, then attend over them."""
+    key_cache, value_cache = paged_step.pool.layer(layer_idx)
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if key_cache.dtype == torch.float8_e4m3fn:  # casting saturates nothing: |x| >= 480 would become NaN
         key, value = key.clamp(-448, 448), value.clamp(-448, 448)
     key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value.to(value_cache.dtype))
-    scale = scaling if scaling is not None else head_dim**-0.5
     out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
                                             sliding_window)
-    return out.unsqueeze(0).to(query.dtype), None
+    return out.unsqueeze(0).to(query.dtype)
 
 
 class PagedRunner(BackendRunner):
@@ -58,6 +91,19 @@ class PagedRunner(BackendRunner):
         self.pool = pool
         self.kernel = kernel
         self.device = next(model.parameters()).device
+        self.compiled: Any = None
+        """The compiled forward once :meth:`compile_forward` ran; the next step compiles it."""
+
+    def compile_unavailable_reason(self) -> str | None:
+        """Why :meth:`compile_forward` cannot run here, or None."""
+        if self.device.type != "cpu":
+            return f"compiled steps are built and measured on CPU only (the model runs on {self.device.type})"
+        return None
+
+    def compile_forward(self) -> None:
+        """Run later steps through ``torch.compile`` (inductor): one graph for every step size, since
+        the token count is left symbolic; the first step pays the compile (tens of seconds)."""
+        self.compiled = torch.compile(self.model, dynamic=True, fullgraph=True)
 
     @property
     def kv_block_size(self) -> int:
@@ -141,8 +187,20 @@ class PagedRunner(BackendRunner):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
                  keep: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                         logits_to_keep=keep.to(self.device), paged_step=step)
+        keep = keep.to(self.device)
+        if self.compiled is None:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
+                             paged_step=step)
+            return out.logits[0].float().cpu()
+        for tensor, dim in ((input_ids, 1), (positions, 1), (keep, 0)):
+            # Unbacked: sizes of 1 (one decode row, one kept logit) share the graph instead of their own.
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        token = _current_step.set(step)
+        try:
+            with torch._inductor.config.patch(freezing=True):  # weights as constants: inductor packs them for oneDNN
+                out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        finally:
+            _current_step.reset(token)
         return out.logits[0].float().cpu()
 
 
