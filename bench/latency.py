@@ -68,11 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-length", type=int, default=8)
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
+    parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     most = max(args.batch_size)
     config = Config(model_id=args.model_id, backend=args.backend, attention=args.attention,
-                    prepack_weights=args.prepack_weights,
+                    prepack_weights=args.prepack_weights, compile_model=args.compile_model,
                     max_batch_prefill_tokens=most * args.sequence_length,
                     max_input_tokens=args.sequence_length, max_total_tokens=args.sequence_length + args.decode_length + 1,
                     max_batch_total_tokens=most * (args.sequence_length + args.decode_length + 16))

@@ -71,10 +71,12 @@ def main() -> None:
     parser.add_argument("--model-id", default=None)
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
+    parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
     parser.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
     args = parser.parse_args()
     started = start_ignoring_eos(Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
-                                        prepack_weights=args.prepack_weights))
+                                        prepack_weights=args.prepack_weights, compile_model=args.compile_model))
     tokenizer = started.loaded.tokenizer
     prompt_ids = [chat_ids(tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
     result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile)
