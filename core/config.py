@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 
+CPU_MIXED_PREFILL_TOKENS = 2048
+"""The default prefill budget per step of a backend with mixed steps on CPU (see :meth:`Config.resolve_limits`)."""
+
+
 class ConfigError(Exception):
     """A contradictory or invalid setting; the message is one line for the operator."""
 
@@ -39,7 +43,7 @@ class Config:
     max_batch_prefill_tokens: int | None = None
     max_batch_total_tokens: int | None = None
     max_batch_size: int | None = None
-    waiting_served_ratio: float = 0.3
+    waiting_served_ratio: float | None = None
     max_waiting_tokens: int = 20
     priority_class_weights: str = "high=4000,normal=2000,low=0"
     priority_aging: float = 100.0
@@ -94,7 +98,7 @@ class Config:
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
         self.class_weights()
-        if self.waiting_served_ratio < 0:
+        if self.waiting_served_ratio is not None and self.waiting_served_ratio < 0:
             raise ConfigError(f"--waiting-served-ratio must be >= 0 (got {self.waiting_served_ratio})")
         for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
@@ -141,15 +145,22 @@ class Config:
         total, inputs = self.max_total_tokens, self.max_input_tokens
         if total is not None and inputs is not None and total <= inputs:
             raise ConfigError(f"--max-total-tokens ({total}) must be greater than --max-input-tokens ({inputs})")
-        prefill = self.max_batch_prefill_tokens
-        if prefill is not None and inputs is not None and prefill < inputs:
-            raise ConfigError(
-                f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({inputs})"
-            )
+        if self.backend == "transformers":
+            self.check_prefill_budget(chunked=False)
         batch_total = self.max_batch_total_tokens
         if batch_total is not None and total is not None and batch_total < total:
             raise ConfigError(
                 f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
+            )
+
+    def check_prefill_budget(self, chunked: bool) -> None:
+        """TGI's rule, for a backend that prefills each prompt whole: a step's prefill budget
+        holds the longest prompt. A backend that chunks prompts takes any budget."""
+        prefill, inputs = self.max_batch_prefill_tokens, self.max_input_tokens
+        if not chunked and prefill is not None and inputs is not None and prefill < inputs:
+            raise ConfigError(
+                f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({inputs}) "
+                "for a backend that prefills whole prompts"
             )
 
     @property
@@ -197,17 +208,30 @@ class Config:
             return self.max_total_tokens
         return max(min(model_max_positions or 4096, 4096), (self.max_input_tokens or 0) + 1)
 
-    def resolve_limits(self, model_max_positions: int | None) -> None:
-        """Fill the token limits left unset from the model, as TGI does, then check again."""
+    def resolve_limits(self, model_max_positions: int | None, mixed_steps: bool = False, on_cpu: bool = False) -> None:
+        """Fill the token limits and admission rules left unset, then check again.
+
+        The token limits follow the model, as TGI's do. ``mixed_steps``: the backend chunks prompts
+        and prefills them in the same step as the running batch decodes, so a newcomer joining
+        costs that batch only a longer step, not a prefill step of its own. Such a backend admits
+        newcomers at once (``--waiting-served-ratio`` 0, where TGI holds them back until 0.3 × the
+        batch of them wait) and, on CPU, prefills at most :data:`CPU_MIXED_PREFILL_TOKENS` a step
+        (vLLM's default for its CPU server), so first tokens come in small groups instead of
+        ``--max-input-tokens`` at a time."""
         if self.max_total_tokens is None:
             self.max_total_tokens = self.total_tokens_limit(model_max_positions)
         if self.max_input_tokens is None:
             self.max_input_tokens = self.max_total_tokens - 1
         if self.max_batch_prefill_tokens is None:
             self.max_batch_prefill_tokens = self.max_input_tokens + 50
+            if mixed_steps and on_cpu:
+                self.max_batch_prefill_tokens = min(self.max_batch_prefill_tokens, CPU_MIXED_PREFILL_TOKENS)
+        if self.waiting_served_ratio is None:
+            self.waiting_served_ratio = 0.0 if mixed_steps else 0.3
         if self.max_batch_total_tokens is None:
             self.max_batch_total_tokens = 16 * self.max_total_tokens
         self.check()
+        self.check_prefill_budget(chunked=mixed_steps)
 
 
 def env_name(field_name: str) -> str:
@@ -240,10 +264,10 @@ _HELP = {
     "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
     "max_input_length": "legacy name of --max-input-tokens",
     "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",
-    "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50)",
+    "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50; at most 2048 on CPU for a backend that chunks prompts into steps that also decode)",
     "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
     "max_batch_size": "most sequences in the running batch (default: no limit)",
-    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once)",
+    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once; default: 0.3 for the transformers backend, 0 for the paged ones, whose steps prefill and decode together)",
     "max_waiting_tokens": "... or when this many decode steps have passed since the last admission",
     "priority_class_weights": "priority scheduler: each class's weight; a request's weight is its class's + aging × seconds waited - cost × (prompt + max_new_tokens)",
     "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",

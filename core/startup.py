@@ -111,7 +111,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                 f"request of {needed} tokens; raise --kv-memory-fraction / --cuda-memory-fraction, lower "
                 "--max-total-tokens, or set --max-batch-total-tokens")
         config.max_batch_total_tokens = pool
-    config.resolve_limits(context)
+    config.resolve_limits(context, mixed_steps=paged, on_cpu=loaded.device.type == "cpu")
     assert config.max_total_tokens and config.max_input_tokens
     assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
     if context and config.max_total_tokens > context:
@@ -142,6 +142,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
 def new_queue(config: Config, chosen: Chosen, padded: bool) -> SchedulerQueue:
     """The chosen scheduler's waiting queue, within the resolved limits."""
     assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
+    assert config.waiting_served_ratio is not None
     return chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_batch_total_tokens=config.max_batch_total_tokens,

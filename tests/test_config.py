@@ -45,7 +45,7 @@ def test_legacy_max_input_length_sets_max_input_tokens():
 
 @pytest.mark.parametrize("argv, message", [
     (["--max-input-tokens", "100", "--max-total-tokens", "100"], "--max-total-tokens (100) must be greater than --max-input-tokens (100)"),
-    (["--max-input-tokens", "100", "--max-batch-prefill-tokens", "50"], "--max-batch-prefill-tokens (50) must be >= --max-input-tokens (100)"),
+    (["--backend", "transformers", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "50"], "--max-batch-prefill-tokens (50) must be >= --max-input-tokens (100) for a backend that prefills whole prompts"),
     (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"], "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be > 0"),
     (["--dtype", "int3"], "--dtype must be float16, bfloat16 or float32"),
@@ -93,3 +93,27 @@ def test_launch_fails_at_start_with_one_clear_line(args, env, expected):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_backend_with_mixed_steps_admits_at_once_and_prefills_2048_tokens_a_step_on_cpu():
+    config = Config(max_total_tokens=8192)
+    config.resolve_limits(8192, mixed_steps=True, on_cpu=True)
+    assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (2048, 0.0)
+    on_gpu = Config(max_total_tokens=8192)
+    on_gpu.resolve_limits(8192, mixed_steps=True, on_cpu=False)
+    assert (on_gpu.max_batch_prefill_tokens, on_gpu.waiting_served_ratio) == (8191 + 50, 0.0)
+
+
+def test_a_backend_that_prefills_whole_prompts_keeps_tgi_s_rules():
+    config = Config(max_total_tokens=8192)
+    config.resolve_limits(8192, mixed_steps=False, on_cpu=True)
+    assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (8191 + 50, 0.3)
+
+
+def test_settings_given_are_kept_and_only_whole_prompt_backends_need_a_budget_of_the_longest_prompt():
+    config = parse_config(["--max-input-tokens", "100", "--max-batch-prefill-tokens", "50",
+                           "--waiting-served-ratio", "1.2"], env={})
+    config.resolve_limits(4096, mixed_steps=True, on_cpu=True)
+    assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (50, 1.2)
+    with pytest.raises(ConfigError, match="for a backend that prefills whole prompts"):
+        config.resolve_limits(4096, mixed_steps=False)
