@@ -3,10 +3,11 @@
 Submits ``--concurrency`` requests of ``bench/prompts/v1.json`` (chat template applied,
 64 new tokens, end-of-sequence ignored) to an engine built as ``tokenmill launch`` builds
 it, steps it until all are done, and prints the time of the prefill steps and of the pure
-decode steps. ``--profile decode`` (or ``prefill``) prints torch's operator table for one
-such step.
+decode steps. With ``--requests`` above the concurrency it is a closed loop, as the harness
+runs its clients: each finished request submits the next. ``--profile decode`` (or
+``prefill``) prints torch's operator table for one such step.
 
-    python -m bench.steps [--concurrency 32] [--dtype bfloat16] [--backend paged] [--profile decode]
+    python -m bench.steps [--concurrency 32] [--requests 64] [--dtype bfloat16] [--backend paged] [--profile decode]
 """
 
 from __future__ import annotations
@@ -20,22 +21,40 @@ from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 
 
 def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: int,
-        profile: str | None, adapters: list[Any] | None = None) -> dict[str, Any]:
-    """Step ``engine`` until ``concurrency`` requests of ``new_tokens`` each are done; request i runs
-    with LoRA adapter ``adapters[i % len(adapters)]`` when adapters are given."""
-    from tokenmill.sequence import GenerationRequest, SamplingParams
+        profile: str | None, adapters: list[Any] | None = None, requests: int | None = None) -> dict[str, Any]:
+    """Step ``engine`` until ``requests`` (default ``concurrency``) requests of ``new_tokens`` each are
+    done, ``concurrency`` at a time; request i runs with LoRA adapter ``adapters[i % len(adapters)]``
+    when adapters are given."""
+    from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
 
-    finished: list[Any] = []
-    for index in range(concurrency):
+    total = requests or concurrency
+    finished: list[float] = []
+    first_tokens: list[float] = []
+
+    def submit(index: int) -> None:
         adapter = adapters[index % len(adapters)] if adapters else None
         request = GenerationRequest("", prompt_ids[index % len(prompt_ids)], new_tokens, SamplingParams(),
                                     adapter=adapter)
-        engine.submit(request, lambda event: finished.append(event) if getattr(event, "final", None) else None)
+        submitted = time.perf_counter()
+
+        def sink(event: Any) -> None:
+            if isinstance(event, TokenEvent) and event.index == 1:  # indices count generated tokens from 1
+                first_tokens.append(time.perf_counter() - submitted)
+            if getattr(event, "final", None):
+                finished.append(time.perf_counter() - submitted)
+                if index + concurrency < total:  # this client sends its next request
+                    submit(index + concurrency)
+
+        engine.submit(request, sink)
+
+    for index in range(min(concurrency, total)):
+        submit(index)
     prefill: list[float] = []
     decode: list[float] = []
     started = time.perf_counter()
-    while len(finished) < concurrency:
-        prefilling = bool(engine.queue_size or engine.prefilling) or engine.batch_size < concurrency - len(finished)
+    while len(finished) < total:
+        in_flight = min(concurrency, total - len(finished))
+        prefilling = bool(engine.queue_size or engine.prefilling) or engine.batch_size < in_flight
         times = prefill if prefilling else decode
         if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
             times.append(profiled(engine.run_once))
@@ -44,9 +63,11 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
         engine.run_once()
         times.append(time.perf_counter() - step_started)
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "tokens_per_s": concurrency * new_tokens / wall, "prefill_steps": len(prefill),
+    return {"wall_s": wall, "tokens_per_s": total * new_tokens / wall, "prefill_steps": len(prefill),
             "prefill_s": sum(prefill), "decode_steps": len(decode),
-            "decode_ms_median": 1000 * statistics.median(decode) if decode else float("nan")}
+            "decode_ms_median": 1000 * statistics.median(decode) if decode else float("nan"),
+            "ttft_p50_s": statistics.median(first_tokens),
+            "latency_p99_s": sorted(finished)[min(len(finished) - 1, int(0.99 * len(finished)))]}
 
 
 def profiled(step: Any) -> float:
@@ -65,6 +86,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=None, help="requests in all (default: --concurrency)")
+    parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, help="as tokenmill launch")
+    parser.add_argument("--waiting-served-ratio", type=float, default=None, help="as tokenmill launch")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--backend", default="paged")
@@ -75,14 +99,19 @@ def main() -> None:
                         help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
     parser.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
     args = parser.parse_args()
-    started = start_ignoring_eos(Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
-                                        prepack_weights=args.prepack_weights, compile_model=args.compile_model))
+    config = Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
+                    prepack_weights=args.prepack_weights, compile_model=args.compile_model,
+                    max_batch_prefill_tokens=args.max_batch_prefill_tokens, waiting_served_ratio=args.waiting_served_ratio)
+    started = start_ignoring_eos(config)  # resolves the limits left unset in config
     tokenizer = started.loaded.tokenizer
     prompt_ids = [chat_ids(tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
-    result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile)
-    print(f"{args.backend}, {started.loaded.dtype}, {args.concurrency} requests: {result['tokens_per_s']:.1f} tokens/s "
-          f"over {result['wall_s']:.1f} s; {result['prefill_steps']} steps with prefill took {result['prefill_s']:.1f} s; "
-          f"{result['decode_steps']} decode steps, median {result['decode_ms_median']:.0f} ms")
+    result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile, requests=args.requests)
+    print(f"{args.backend}, {started.loaded.dtype}, {args.requests or args.concurrency} requests, {args.concurrency} at "
+          f"a time (prefill budget {config.max_batch_prefill_tokens}, waiting-served ratio {config.waiting_served_ratio}): "
+          f"{result['tokens_per_s']:.1f} tokens/s over {result['wall_s']:.1f} s; first token p50 "
+          f"{result['ttft_p50_s']:.2f} s; latency p99 {result['latency_p99_s']:.1f} s; {result['prefill_steps']} steps "
+          f"with prefill took {result['prefill_s']:.1f} s; {result['decode_steps']} decode steps, median "
+          f"{result['decode_ms_median']:.0f} ms")
 
 
 if __name__ == "__main__":

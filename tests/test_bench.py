@@ -265,7 +265,12 @@ def test_the_step_benchmark_splits_prefill_and_decode_steps(tiny_model_dir: Path
     from bench.engine import start_ignoring_eos
     from tokenmill.config import Config
 
-    engine = start_ignoring_eos(Config(model_id=str(tiny_model_dir), backend="paged")).engine
+    engine = start_ignoring_eos(Config(model_id=str(tiny_model_dir), backend="paged", compile_model=False)).engine
     result = steps.run(engine, [[1, 2, 3, 4, 5], list(range(10, 40))], concurrency=3, new_tokens=6, profile=None)
     assert result["prefill_steps"] >= 1 and result["decode_steps"] == 5
     assert result["tokens_per_s"] > 0 and engine.batch_size == 0
+
+    closed_loop = steps.run(engine, [[1, 2, 3, 4, 5], list(range(10, 40))], concurrency=2, new_tokens=6,
+                            profile=None, requests=5)
+    assert closed_loop["tokens_per_s"] > 0 and engine.batch_size == 0 and engine.queue_size == 0
+    assert 0 < closed_loop["ttft_p50_s"] <= closed_loop["latency_p99_s"]
