@@ -21,7 +21,8 @@ import torch
 
 
 def around_attention(model: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """One decode step's non-attention work over every layer; the attention output is stood in by the query."""
+    """One decode step's non-attention work over every layer; the attention output is stood in by the
+    query plus the keys and values."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     inner = model.model
@@ -34,9 +35,11 @@ def around_attention(model: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.
             shape = (*normed.shape[:-1], -1, attn.head_dim)
             query = attn.q_proj(normed).view(shape).transpose(1, 2)
             key = attn.k_proj(normed).view(shape).transpose(1, 2)
-            attn.v_proj(normed)
+            value = attn.v_proj(normed).view(shape).transpose(1, 2)
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
-            hidden = residual + attn.o_proj(query.transpose(1, 2).reshape(*normed.shape[:-1], -1))
+            # Keys and values enter the result, so that the compiled graph cannot drop their projections.
+            stand_in = query + (key + value).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+            hidden = residual + attn.o_proj(stand_in.transpose(1, 2).reshape(*normed.shape[:-1], -1))
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return model.lm_head(inner.norm(hidden)).argmax(-1)

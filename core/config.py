@@ -267,7 +267,7 @@ _HELP = {
     "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50; at most 2048 on CPU for a backend that chunks prompts into steps that also decode)",
     "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
     "max_batch_size": "most sequences in the running batch (default: no limit)",
-    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once; default: 0.3 for the transformers backend, 0 for the paged ones, whose steps prefill and decode together)",
+    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once; default: 0 for backends whose steps prefill and decode together (paged, flash), else 0.3)",
     "max_waiting_tokens": "... or when this many decode steps have passed since the last admission",
     "priority_class_weights": "priority scheduler: each class's weight; a request's weight is its class's + aging × seconds waited - cost × (prompt + max_new_tokens)",
     "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",

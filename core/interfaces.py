@@ -323,6 +323,11 @@ class Backend(Implementation):
     """The KV layout this backend needs from the allocator and the attention kernel."""
     default_attention: str = "sdpa"
     default_kv_allocator: str = "dynamic"
+    mixed_steps: bool = False
+    """True when its steps prefill newcomers (in chunks) in the same forward as the running batch
+    decodes: a join then costs the batch only a longer step, so the admission defaults differ
+    (``--waiting-served-ratio`` 0, and on CPU at most 2048 prompt tokens a step; see
+    :meth:`tokenmill.config.Config.resolve_limits`)."""
     owns_engine: bool = False
     """True for a backend that loads the model and schedules, samples and keeps KV memory in an engine
     of its own (vLLM's): tokenmill then loads only the tokenizer and calls :meth:`create_engine`

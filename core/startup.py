@@ -111,7 +111,8 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                 f"request of {needed} tokens; raise --kv-memory-fraction / --cuda-memory-fraction, lower "
                 "--max-total-tokens, or set --max-batch-total-tokens")
         config.max_batch_total_tokens = pool
-    config.resolve_limits(context, mixed_steps=paged, on_cpu=loaded.device.type == "cpu")
+    config.resolve_limits(context, mixed_steps=chosen.backend.mixed_steps,  # type: ignore[attr-defined]
+                          on_cpu=loaded.device.type == "cpu")
     assert config.max_total_tokens and config.max_input_tokens
     assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
     if context and config.max_total_tokens > context:
@@ -186,7 +187,8 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     def queue_for(kv_tokens: int) -> SchedulerQueue:
         if config.max_batch_total_tokens is None:
             config.max_batch_total_tokens = kv_tokens
-        config.resolve_limits(context)
+        config.resolve_limits(context, mixed_steps=chosen.backend.mixed_steps,  # type: ignore[attr-defined]
+                              on_cpu=device.type == "cpu")
         return new_queue(config, chosen, padded=False)
 
     setup = EngineSetup(path, display_id, tokenizer, model_config, dtype, device, config,
@@ -217,7 +219,7 @@ def compile_unavailable_reason(config: Config, loaded: LoadedModel, runner: Any)
         return "a sharded forward (--num-shard) is not compiled"
     if config.lora_enabled:
         return "LoRA adapters change the layers' work per request"
-    if config.quantize or getattr(loaded.model, "hf_quantizer", None) is not None:
+    if loaded.quantization is not None:
         return "quantized layers are not compiled"
     return runner.compile_unavailable_reason()
 

@@ -257,7 +257,9 @@ def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_j
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
     engine.runner.compile_forward()
     requests = REQUESTS + [(PROMPTS[0], 30, 40)]  # the last one decodes alone: a step of one token
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     sinks, seen = run(engine, requests)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1, "one graph for every step"
     assert seen["max_prefilling"] >= 1 and seen["max_batch"] >= 4
     check_against_generate(tiny_model[0], tokenizer, requests, sinks)
     assert_pool_empty(engine)
@@ -271,22 +273,45 @@ def test_compiling_is_a_setting_that_defaults_on():
     assert parse_config([], env={"COMPILE_MODEL": "false"}).compile_model is False
 
 
-@pytest.mark.parametrize("settings, reason", [
-    ({}, None),
-    ({"num_shard": 2}, "--num-shard"),
-    ({"lora_adapters": "a=/adapters/a"}, "LoRA"),
-    ({"quantize": "fp8"}, "quantized"),
+@pytest.mark.parametrize("settings, quantization, reason", [
+    ({}, None, None),
+    ({"num_shard": 2}, None, "--num-shard"),
+    ({"lora_adapters": "a=/adapters/a"}, None, "LoRA"),
+    ({}, "awq", "quantized"),  # a quantized checkpoint, read without --quantize
 ])
-def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_out(settings, reason, paged_model,
-                                                                                 tiny_model):
+def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_out(settings, quantization, reason,
+                                                                                 paged_model, tiny_model):
     from types import SimpleNamespace
 
     from tokenmill.config import Config
     from tokenmill.startup import compile_unavailable_reason
 
     engine = build_engine(paged_model, tiny_model[1], backend="paged")
-    found = compile_unavailable_reason(Config(**settings), SimpleNamespace(model=paged_model), engine.runner)
+    loaded = SimpleNamespace(model=paged_model, quantization=quantization)
+    found = compile_unavailable_reason(Config(**settings), loaded, engine.runner)
     assert found is None if reason is None else reason in found
+
+
+def test_without_a_cxx_compiler_the_forward_runs_eagerly(paged_model, tiny_model, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    engine = build_engine(paged_model, tiny_model[1], backend="paged")
+    assert "no-such-compiler is not on PATH" in engine.runner.compile_unavailable_reason()
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_forward(paged_model, tiny_model, monkeypatch):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True)
+    engine.runner.compile_forward()
+
+    def broken_compile(**inputs):
+        raise RuntimeError("inductor could not build a kernel")
+
+    monkeypatch.setattr(engine.runner, "compiled", broken_compile)
+    requests = REQUESTS[:3]
+    sinks, _ = run(engine, requests)
+    assert engine.runner.compiled is None
+    check_against_generate(tiny_model[0], tokenizer, requests, sinks)
+    assert_pool_empty(engine)
 
 
 def test_the_transformers_runner_runs_eagerly(tiny_model):
@@ -298,3 +323,17 @@ def test_the_transformers_runner_runs_eagerly(tiny_model):
     engine = build_engine(tiny_model[0], tiny_model[1], backend="transformers")
     assert compile_unavailable_reason(Config(), SimpleNamespace(model=tiny_model[0]), engine.runner) == \
         "the backend runs its forward eagerly"
+
+
+@pytest.mark.parametrize("backend, budget, ratio", [("paged", 2048, 0.0), ("transformers", 2047 + 50, 0.3)])
+def test_start_up_gives_a_backend_with_mixed_steps_its_admission_defaults(backend, budget, ratio, tiny_model_dir):
+    from tokenmill.config import Config
+    from tokenmill.loading import Stages
+    from tokenmill.startup import start_engine
+
+    config = Config(model_id=str(tiny_model_dir), backend=backend, compile_model=False, max_total_tokens=2048,
+                    max_batch_total_tokens=8192)
+    started = start_engine(config, build_plugin_manager(autoload=False), Stages())
+    assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (budget, ratio)
+    assert started.engine.queue.limits.waiting_served_ratio == ratio
+    assert started.engine.prefill_budget == budget

@@ -18,6 +18,9 @@ make it recompile at every step.
 from __future__ import annotations
 
 import contextvars
+import logging
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -31,6 +34,8 @@ from tokenmill.lora import adapter_rows
 from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
+
+log = logging.getLogger(__name__)
 
 _current_step: contextvars.ContextVar[PagedStep] = contextvars.ContextVar("tokenmill_paged_step")
 """The step a compiled forward is running; set by :meth:`PagedRunner._forward` for that call only."""
@@ -93,11 +98,16 @@ class PagedRunner(BackendRunner):
         self.device = next(model.parameters()).device
         self.compiled: Any = None
         """The compiled forward once :meth:`compile_forward` ran; the next step compiles it."""
+        self._compiled_ran = False
 
     def compile_unavailable_reason(self) -> str | None:
         """Why :meth:`compile_forward` cannot run here, or None."""
         if self.device.type != "cpu":
             return f"compiled steps are built and measured on CPU only (the model runs on {self.device.type})"
+        if getattr(self.model, "tokenmill_lora", None) is not None:
+            return "LoRA adapters change the layers' work per request"
+        if shutil.which(_cpp_compiler()) is None:
+            return f"inductor needs a C++ compiler and {_cpp_compiler()} is not on PATH"
         return None
 
     def compile_forward(self) -> None:
@@ -197,16 +207,26 @@ class PagedRunner(BackendRunner):
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
         token = _current_step.set(step)
         try:
-            with torch._inductor.config.patch(freezing=True):  # weights as constants: inductor packs them for oneDNN
+            # Weights as constants, so the oneDNN matmuls take them packed (inductor packs plain ones itself).
+            # Set per call, not through compile options: the compile happens inside the first call.
+            with torch._inductor.config.patch(freezing=True):
                 out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        except Exception as error:  # noqa: BLE001 - a failed compile must not stop a server that can run eagerly
+            if self._compiled_ran:
+                raise
+            log.warning("compiling the forward failed (%s: %s); it runs eagerly", type(error).__name__, error)
+            self.compiled = None  # the eager forward writes the same KV slots again
+            return self._forward(input_ids, positions, step, keep)
         finally:
             _current_step.reset(token)
+        self._compiled_ran = True
         return out.logits[0].float().cpu()
 
 
 class PagedBackend(Backend):
     name = "paged"
     kv_layout = "paged"
+    mixed_steps = True
     default_attention = "sdpa"
     default_kv_allocator = "paged"
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
@@ -258,6 +278,11 @@ class FlashBackend(PagedBackend):
         if head_dim > 256 or head_dim % 8:
             return f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); use --backend paged"
         return None
+
+
+def _cpp_compiler() -> str:
+    """The C++ compiler inductor would call (``CXX``, else g++)."""
+    return os.environ.get("CXX") or "g++"
 
 
 @tokenmill.hookimpl
