@@ -217,8 +217,6 @@ def compile_unavailable_reason(config: Config, loaded: LoadedModel, runner: Any)
         return "the backend runs its forward eagerly"
     if config.num_shard > 1:
         return "a sharded forward (--num-shard) is not compiled"
-    if config.lora_enabled:
-        return "LoRA adapters change the layers' work per request"
     if loaded.quantization is not None:
         return "quantized layers are not compiled"
     return runner.compile_unavailable_reason()

@@ -273,19 +273,22 @@ def test_compiling_is_a_setting_that_defaults_on():
     assert parse_config([], env={"COMPILE_MODEL": "false"}).compile_model is False
 
 
-@pytest.mark.parametrize("settings, quantization, reason", [
-    ({}, None, None),
-    ({"num_shard": 2}, None, "--num-shard"),
-    ({"lora_adapters": "a=/adapters/a"}, None, "LoRA"),
-    ({}, "awq", "quantized"),  # a quantized checkpoint, read without --quantize
+@pytest.mark.parametrize("settings, quantization, lora, reason", [
+    ({}, None, False, None),
+    ({"num_shard": 2}, None, False, "--num-shard"),
+    ({}, None, True, "LoRA"),  # start-up wraps the layers for --lora-adapters or --lora-cache-limit
+    ({}, "awq", False, "quantized"),  # a quantized checkpoint, read without --quantize
 ])
-def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_out(settings, quantization, reason,
-                                                                                 paged_model, tiny_model):
+def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_out(settings, quantization, lora,
+                                                                                 reason, paged_model, tiny_model):
     from types import SimpleNamespace
 
     from tokenmill.config import Config
+    from tokenmill.lora import install
     from tokenmill.startup import compile_unavailable_reason
 
+    if lora:
+        install(paged_model)
     engine = build_engine(paged_model, tiny_model[1], backend="paged")
     loaded = SimpleNamespace(model=paged_model, quantization=quantization)
     found = compile_unavailable_reason(Config(**settings), loaded, engine.runner)

@@ -106,8 +106,9 @@ class PagedRunner(BackendRunner):
             return f"compiled steps are built and measured on CPU only (the model runs on {self.device.type})"
         if getattr(self.model, "tokenmill_lora", None) is not None:
             return "LoRA adapters change the layers' work per request"
-        if shutil.which(_cpp_compiler()) is None:
-            return f"inductor needs a C++ compiler and {_cpp_compiler()} is not on PATH"
+        compiler = _cpp_compiler()
+        if shutil.which(compiler) is None:
+            return f"inductor needs a C++ compiler and {compiler} is not on PATH"
         return None
 
     def compile_forward(self) -> None:
@@ -198,10 +199,16 @@ class PagedRunner(BackendRunner):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
                  keep: torch.Tensor) -> torch.Tensor:
         keep = keep.to(self.device)
-        if self.compiled is None:
+        out = self._compiled_forward(input_ids, positions, step, keep) if self.compiled is not None else None
+        if out is None:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
                              paged_step=step)
-            return out.logits[0].float().cpu()
+        return out.logits[0].float().cpu()
+
+    def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
+                          keep: torch.Tensor) -> Any:
+        """The model's output through the compiled forward; None when its first call (the compile) failed,
+        which leaves the runner eager from then on."""
         for tensor, dim in ((input_ids, 1), (positions, 1), (keep, 0)):
             # Unbacked: sizes of 1 (one decode row, one kept logit) share the graph instead of their own.
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
@@ -215,12 +222,12 @@ class PagedRunner(BackendRunner):
             if self._compiled_ran:
                 raise
             log.warning("compiling the forward failed (%s: %s); it runs eagerly", type(error).__name__, error)
-            self.compiled = None  # the eager forward writes the same KV slots again
-            return self._forward(input_ids, positions, step, keep)
+            self.compiled = None  # the eager forward then writes the same KV slots again
+            return None
         finally:
             _current_step.reset(token)
         self._compiled_ran = True
-        return out.logits[0].float().cpu()
+        return out
 
 
 class PagedBackend(Backend):
