@@ -5,7 +5,9 @@ Submits ``--concurrency`` requests of ``bench/prompts/v1.json`` (chat template a
 it, steps it until all are done, and prints the time of the prefill steps and of the pure
 decode steps. With ``--requests`` above the concurrency it is a closed loop, as the harness
 runs its clients: each finished request submits the next. ``--profile decode`` (or
-``prefill``) prints torch's operator table for one such step.
+``prefill``) prints torch's operator table for one such step. For the paged backend it also
+splits the median decode step into packing the step's inputs, the model's forward and the rest
+(sampling, stop checks, detokenization, scheduling): the CPU work an overlap with the forward could hide.
 
     python -m bench.steps [--concurrency 32] [--requests 64] [--dtype bfloat16] [--backend paged] [--profile decode]
 """
@@ -51,23 +53,64 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
         submit(index)
     prefill: list[float] = []
     decode: list[float] = []
+    phases = PhaseTimes(engine.runner)
+    decode_phases: list[dict[str, float]] = []
     started = time.perf_counter()
-    while len(finished) < total:
-        in_flight = min(concurrency, total - len(finished))
-        prefilling = bool(engine.queue_size or engine.prefilling) or engine.batch_size < in_flight
-        times = prefill if prefilling else decode
-        if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
-            times.append(profiled(engine.run_once))
-            continue
-        step_started = time.perf_counter()
-        engine.run_once()
-        times.append(time.perf_counter() - step_started)
+    try:
+        while len(finished) < total:
+            in_flight = min(concurrency, total - len(finished))
+            prefilling = bool(engine.queue_size or engine.prefilling) or engine.batch_size < in_flight
+            times = prefill if prefilling else decode
+            if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
+                times.append(profiled(engine.run_once))
+                continue
+            phases.take()
+            step_started = time.perf_counter()
+            engine.run_once()
+            times.append(time.perf_counter() - step_started)
+            if times is decode and phases.spent:
+                spent = phases.take()
+                decode_phases.append({**spent, "rest": times[-1] - sum(spent.values())})
+    finally:
+        phases.restore()
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "tokens_per_s": total * new_tokens / wall, "prefill_steps": len(prefill),
+    phase_medians = {f"decode_{name}_ms_median": 1000 * statistics.median(p[name] for p in decode_phases)
+                     for name in decode_phases[0]} if decode_phases else {}
+    return {**phase_medians, "wall_s": wall, "tokens_per_s": total * new_tokens / wall, "prefill_steps": len(prefill),
             "prefill_s": sum(prefill), "decode_steps": len(decode),
             "decode_ms_median": 1000 * statistics.median(decode) if decode else float("nan"),
             "ttft_p50_s": statistics.median(first_tokens),
             "latency_p99_s": sorted(finished)[min(len(finished) - 1, int(0.99 * len(finished)))]}
+
+
+class PhaseTimes:
+    """Seconds the paged runner spends packing a step's inputs (``_pack``) and in the model's forward
+    (``_forward``), summed until :meth:`take`; nothing for a runner without those methods."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.spent: dict[str, float] = {}
+        for name, method in (("pack", "_pack"), ("forward", "_forward")):
+            if hasattr(runner, method):
+                self.spent[name] = 0.0
+                setattr(runner, method, self._timed(name, getattr(runner, method)))
+
+    def _timed(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - started
+        return timed
+
+    def restore(self) -> None:
+        for method in ("_pack", "_forward"):
+            self.runner.__dict__.pop(method, None)  # the class's own method again
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
+        return spent
 
 
 def profiled(step: Any) -> float:
@@ -112,6 +155,10 @@ def main() -> None:
           f"{result['ttft_p50_s']:.2f} s; latency p99 {result['latency_p99_s']:.1f} s; {result['prefill_steps']} steps "
           f"with prefill took {result['prefill_s']:.1f} s; {result['decode_steps']} decode steps, median "
           f"{result['decode_ms_median']:.0f} ms")
+    if "decode_forward_ms_median" in result:
+        print(f"decode steps, medians: packing the inputs {result['decode_pack_ms_median']:.1f} ms, the model's "
+              f"forward {result['decode_forward_ms_median']:.1f} ms, the rest (sampling, stop checks, "
+              f"detokenization, scheduling) {result['decode_rest_ms_median']:.1f} ms")
 
 
 if __name__ == "__main__":

