@@ -85,15 +85,16 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
 
 class PhaseTimes:
     """Seconds the paged runner spends packing a step's inputs (``_pack``) and in the model's forward
-    (``_forward``), summed until :meth:`take`; nothing for a runner without those methods."""
+    (``_forward``), summed until :meth:`take`; nothing for a runner without both methods."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.spent: dict[str, float] = {}
+        if not all(hasattr(runner, method) for method in ("_pack", "_forward")):
+            return
         for name, method in (("pack", "_pack"), ("forward", "_forward")):
-            if hasattr(runner, method):
-                self.spent[name] = 0.0
-                setattr(runner, method, self._timed(name, getattr(runner, method)))
+            self.spent[name] = 0.0
+            setattr(runner, method, self._timed(name, getattr(runner, method)))
 
     def _timed(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
