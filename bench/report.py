@@ -123,7 +123,8 @@ def ratio_lines(run: dict[str, Any], levels: list[int], columns: list[str]) -> l
     if run.get("limit"):
         rows.append([f"share of the {LIMIT_ROW}", *[_share(ours[c], limit_tokens_per_s(run, c)) for c in levels]])
         bound = run["limit"].get("arithmetic_bound_tokens_per_s")
-        rows.append(["share of the arithmetic bound", *[_share(ours[c], bound) for c in levels]])
+        if bound:
+            rows.append(["share of the arithmetic bound", *[_share(ours[c], bound) for c in levels]])
     return ["", f"### `{BASELINE}` tokens/s divided by each system's", "", *_table(["against", *columns], rows)]
 
 

@@ -6,8 +6,9 @@ it, steps it until all are done, and prints the time of the prefill steps and of
 decode steps. With ``--requests`` above the concurrency it is a closed loop, as the harness
 runs its clients: each finished request submits the next. ``--profile decode`` (or
 ``prefill``) prints torch's operator table for one such step. For the paged backend it also
-splits the median decode step into packing the step's inputs, the model's forward and the rest
-(sampling, stop checks, detokenization, scheduling): the CPU work an overlap with the forward could hide.
+prints, over the decode steps, the median time of packing a step's inputs, of the model's forward
+and of the rest (sampling, stop checks, detokenization, scheduling): the CPU work an overlap with
+the forward could hide. Each is its own median, so they need not add up to the step's.
 
     python -m bench.steps [--concurrency 32] [--requests 64] [--dtype bfloat16] [--backend paged] [--profile decode]
 """
@@ -90,10 +91,13 @@ class PhaseTimes:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.spent: dict[str, float] = {}
+        self.replaced: dict[str, Any] = {}
+        """What each wrapped method's name held on the runner itself before (None: nothing, the class's method)."""
         if not all(hasattr(runner, method) for method in ("_pack", "_forward")):
             return
         for name, method in (("pack", "_pack"), ("forward", "_forward")):
             self.spent[name] = 0.0
+            self.replaced[method] = runner.__dict__.get(method)
             setattr(runner, method, self._timed(name, getattr(runner, method)))
 
     def _timed(self, name: str, method: Any) -> Any:
@@ -106,8 +110,11 @@ class PhaseTimes:
         return timed
 
     def restore(self) -> None:
-        for method in ("_pack", "_forward"):
-            self.runner.__dict__.pop(method, None)  # the class's own method again
+        for method, before in self.replaced.items():
+            if before is None:
+                del self.runner.__dict__[method]  # the class's own method again
+            else:
+                setattr(self.runner, method, before)
 
     def take(self) -> dict[str, float]:
         spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)

@@ -270,6 +270,9 @@ def test_the_step_benchmark_splits_prefill_and_decode_steps(tiny_model_dir: Path
     result = steps.run(engine, [[1, 2, 3, 4, 5], list(range(10, 40))], concurrency=3, new_tokens=6, profile=None)
     assert result["prefill_steps"] >= 1 and result["decode_steps"] == 5
     assert result["tokens_per_s"] > 0 and engine.batch_size == 0
+    assert 0 < result["decode_forward_ms_median"] <= result["decode_ms_median"]
+    assert result["decode_pack_ms_median"] > 0 and "decode_rest_ms_median" in result
+    assert "_pack" not in vars(engine.runner) and "_forward" not in vars(engine.runner)  # the runner's own again
 
     closed_loop = steps.run(engine, [[1, 2, 3, 4, 5], list(range(10, 40))], concurrency=2, new_tokens=6,
                             profile=None, requests=5)
