@@ -36,7 +36,7 @@ def _compiler_flags() -> tuple[str, list[str]]:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]
     return f"tokenmill_paged_decode_{capability.lower()}", flags
 
 

@@ -42,12 +42,13 @@ def sdpa_reference(query, keys, values, tables, context_lens, window, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window):
+@pytest.mark.parametrize("dim", [16, 12], ids=["eight-lane-dim", "other-dim"])
+def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window, dim):
     context_lens = [1, 4, 5, 37, 200, 16]
-    keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=16, dtype=dtype)
-    query = torch.randn(len(context_lens), 6, 16).to(dtype)
+    keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=dim, dtype=dtype)
+    query = torch.randn(len(context_lens), 6, dim).to(dtype)
     got = native_kernels.paged_decode(query, keys, values, tables, torch.tensor(context_lens), window, 0.25)
     expected = sdpa_reference(query, keys, values, tables, context_lens, window, 0.25)
     assert got.dtype == dtype and got.shape == query.shape

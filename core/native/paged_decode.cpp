@@ -1,70 +1,206 @@
 // Paged attention for decode rows on CPU: one query token per sequence, read straight from the
 // block pool. Gathering each sequence's blocks into a padded buffer first (what SDPA needs) moves
-// every KV byte three times; this reads each once, one sequence per task.
+// every KV byte three times; this reads each once.
 //
 // query [seqs, heads, dim]; key_cache / value_cache [blocks, block_size, kv_heads, dim];
 // block_tables [seqs, width] (int32); context_lens [seqs]. The query attends to positions
 // [context - window, context) of its sequence (all of them when window is 0).
+//
+// One task per sequence reads its key rows, then its value rows, once each and in memory order,
+// every head using a row while it is in L1. Orders that jump between rows (head by head over a
+// block, or four rows at once) measured slower, as did one task per KV head, which reads a third
+// of each row: they defeat the hardware prefetcher. Where the CPU has AVX2, FMA and F16C (the
+// build passes those flags only then) and dim is a multiple of 8, the dot products, the
+// exponentials and the value sums run eight lanes at a time.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
+#endif
+
+namespace {
+
+#ifdef TOKENMILL_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline float sum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x for x <= 0 (scores minus their maximum): Cody-Waite range reduction and Cephes' expf
+// polynomial; inputs below -87 give ~1e-38 instead of underflowing.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 template <typename T>
-static void decode_rows(const T* query, const T* keys, const T* values, const int32_t* tables,
-                        const int64_t* context, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
-                        int64_t dim, int64_t block_size, int64_t table_width, int64_t window, float scale) {
-  const int64_t group = heads / kv_heads;
-  const int64_t row = kv_heads * dim;  // one position's keys (or values) for all KV heads
+float dot(const float* q, const T* row, int64_t dim) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(row + d), a);
+  return sum8(a);
+}
+
+// acc[0:dim] += weight * row[0:dim]
+template <typename T>
+void axpy(float weight, const T* row, int64_t dim, float* acc) {
+  const __m256 w = _mm256_set1_ps(weight);
+  for (int64_t d = 0; d < dim; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, load8(row + d), _mm256_loadu_ps(acc + d)));
+}
+
+// Turns scores into unnormalised softmax weights in place; returns their sum.
+inline float exponentiate(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total8 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
+    _mm256_storeu_ps(scores + i, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  float total = sum8(total8);
+  for (; i < n; ++i) total += (scores[i] = std::exp(scores[i] - top));
+  return total;
+}
+#endif
+
+template <typename T>
+float dot_scalar(const float* q, const T* row, int64_t dim) {
+  float dot = 0.f;
+  for (int64_t d = 0; d < dim; ++d) dot += q[d] * static_cast<float>(row[d]);
+  return dot;
+}
+
+template <typename T>
+void axpy_scalar(float weight, const T* row, int64_t dim, float* acc) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += weight * static_cast<float>(row[d]);
+}
+
+inline float exponentiate_scalar(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += (scores[i] = std::exp(scores[i] - top));
+  return total;
+}
+
+template <typename T>
+constexpr bool has_vector_loads =
+    std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// scores[h * n] = q[h] . row[(h / group) * dim] for each query head h.
+template <typename T>
+void score(bool vector, const float* q, const T* row, int64_t heads, int64_t group, int64_t dim, float* scores,
+           int64_t n) {
+#ifdef TOKENMILL_AVX2
+  if constexpr (has_vector_loads<T>) {
+    if (vector) {
+      for (int64_t h = 0; h < heads; ++h) scores[h * n] = dot(q + h * dim, row + h / group * dim, dim);
+      return;
+    }
+  }
+#endif
+  for (int64_t h = 0; h < heads; ++h) scores[h * n] = dot_scalar(q + h * dim, row + h / group * dim, dim);
+}
+
+// acc[h] += weights[h * n] * row[(h / group) * dim] for each query head h.
+template <typename T>
+void sum_values(bool vector, const float* weights, const T* row, int64_t heads, int64_t group, int64_t dim, float* acc,
+                int64_t n) {
+#ifdef TOKENMILL_AVX2
+  if constexpr (has_vector_loads<T>) {
+    if (vector) {
+      for (int64_t h = 0; h < heads; ++h) axpy(weights[h * n], row + h / group * dim, dim, acc + h * dim);
+      return;
+    }
+  }
+#endif
+  for (int64_t h = 0; h < heads; ++h) axpy_scalar(weights[h * n], row + h / group * dim, dim, acc + h * dim);
+}
+
+inline float softmax_weights(bool vector, float* scores, int64_t n) {
+#ifdef TOKENMILL_AVX2
+  if (vector) return exponentiate(scores, n);
+#endif
+  return exponentiate_scalar(scores, n);
+}
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, table_width, window;
+  float scale;
+};
+
+// Calls visit(offset of the position from the window's start, its cache row) for each position
+// in the window, in order.
+template <typename Visit>
+void for_each_position(const int32_t* table, int64_t first, int64_t length, int64_t block_size, Visit visit) {
+  for (int64_t p = first; p < length; ++p)
+    visit(p - first, static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size);
+}
+
+template <typename T>
+void decode_rows(const T* query, const T* keys, const T* values, const int32_t* tables, const int64_t* context,
+                 T* out, int64_t seqs, const Shape& shape) {
+  const int64_t group = shape.heads / shape.kv_heads, dim = shape.dim;
+  const int64_t row = shape.kv_heads * dim;  // one position's keys (or values) for all KV heads
+#ifdef TOKENMILL_AVX2
+  const bool vector = dim % 8 == 0;
+#else
+  const bool vector = false;
+#endif
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(heads * dim), acc(heads * dim), scores;
+    std::vector<float> q(shape.heads * dim), acc(shape.heads * dim), scores, inverse(shape.heads);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t length = context[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      const int64_t first = shape.window > 0 ? std::max<int64_t>(0, length - shape.window) : 0;
       const int64_t n = length - first;
-      const int32_t* table = tables + s * table_width;
-      for (int64_t i = 0; i < heads * dim; ++i) q[i] = static_cast<float>(query[s * heads * dim + i]) * scale;
-      scores.assign(heads * n, 0.f);
-      for (int64_t p = first; p < length; ++p) {
-        const T* k = keys + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * row;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* qh = q.data() + h * dim;
-          const T* kh = k + (h / group) * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-          scores[h * n + (p - first)] = dot;
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* r = scores.data() + h * n;
-        const float top = *std::max_element(r, r + n);
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          r[i] = std::exp(r[i] - top);
-          total += r[i];
-        }
-        const float inverse = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) r[i] *= inverse;
-      }
+      const int32_t* table = tables + s * shape.table_width;
+      const T* sequence_query = query + s * shape.heads * dim;
+      for (int64_t i = 0; i < shape.heads * dim; ++i) q[i] = static_cast<float>(sequence_query[i]) * shape.scale;
+      scores.resize(shape.heads * n);
+      for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
+        score(vector, q.data(), keys + cache_row * row, shape.heads, group, dim, scores.data() + offset, n);
+      });
+      for (int64_t h = 0; h < shape.heads; ++h) inverse[h] = 1.f / softmax_weights(vector, scores.data() + h * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < length; ++p) {
-        const T* v = values + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * row;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float w = scores[h * n + (p - first)];
-          const T* vh = v + (h / group) * dim;
-          float* a = acc.data() + h * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * static_cast<float>(vh[d]);
-        }
-      }
-      for (int64_t i = 0; i < heads * dim; ++i) out[s * heads * dim + i] = static_cast<T>(acc[i]);
+      for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
+        sum_values(vector, scores.data() + offset, values + cache_row * row, shape.heads, group, dim, acc.data(), n);
+      });
+      T* sequence_out = out + s * shape.heads * dim;
+      for (int64_t i = 0; i < shape.heads * dim; ++i) sequence_out[i] = static_cast<T>(acc[i] * inverse[i / dim]);
     }
   });
 }
+
+}  // namespace
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, int64_t window, double scale) {
@@ -83,10 +219,11 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   TORCH_CHECK(lengths.numel() == 0 || lengths.max().item<int64_t>() <= tables.size(1) * block_size,
               "a context is longer than its block table");
   auto out = torch::empty_like(q);
+  const Shape shape{heads, kv_heads, dim, block_size, tables.size(1), window, static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_rows<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                           tables.data_ptr<int32_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), seqs,
-                          heads, kv_heads, dim, block_size, tables.size(1), window, static_cast<float>(scale));
+                          shape);
   });
   return out;
 }
