@@ -278,3 +278,23 @@ def test_the_step_benchmark_splits_prefill_and_decode_steps(tiny_model_dir: Path
                             profile=None, requests=5)
     assert closed_loop["tokens_per_s"] > 0 and engine.batch_size == 0 and engine.queue_size == 0
     assert 0 < closed_loop["ttft_p50_s"] <= closed_loop["latency_p99_s"]
+
+
+def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_they_agree() -> None:
+    import torch
+
+    from bench import decode_attention
+
+    in_order = decode_attention.decode_steps(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=False,
+                                             block_size=4)
+    shuffled = decode_attention.decode_steps(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=True,
+                                             block_size=4)
+    assert in_order[0].block_tables[1, :10].tolist() == list(range(3, 13))
+    assert sorted(shuffled[0].block_tables[1, :10].tolist()) != shuffled[0].block_tables[1, :10].tolist()
+    query = torch.randn(2, 4, 16)
+    runs = decode_attention.peers(shuffled, query, source=None)
+    assert "sdpa" in runs
+    outputs = [run() for run in runs.values()]
+    for out in outputs:
+        torch.testing.assert_close(out, outputs[-1], atol=1e-4, rtol=1e-4)
+    assert decode_attention.median_ms(runs["sdpa"], repeats=2) > 0

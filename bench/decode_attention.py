@@ -1,0 +1,145 @@
+"""Decode attention on CPU: tokenmill's native kernel against the plain PyTorch path, side by side.
+
+Times the attention of one decode step over a model's layers (SmolLM2-135M's shapes by default):
+``--seqs`` sequences, contexts drawn from ``--context``, their KV blocks handed out by the paged
+pool either in order (a fresh pool, or a prompt's blocks taken at once) or shuffled over the pool
+(a pool after long churn). Each layer has its own pool, as in the engine, so the KV comes from
+memory rather than from cache. Peers in one run:
+
+- ``native``: the kernel the engine calls for decode rows on CPU;
+- ``sdpa``: the plain path (``--disable-custom-kernels``): gather each sequence's blocks, then SDPA;
+- ``--source FILE``: another version of the kernel's source (an older commit's, say), built apart:
+  ``git show REV:core/native/paged_decode.cpp > /tmp/old.cpp``.
+
+    python -m bench.decode_attention [--seqs 1 32] [--source /tmp/old.cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tokenmill import native_kernels
+from tokenmill.interfaces import PagedStep
+from tokenmill_plugins.attention.torch_kernels import SdpaAttention
+from tokenmill_plugins.kv.paged import PagedPool
+
+SMOLLM2 = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
+
+
+def decode_steps(layers: int, kv_heads: int, head_dim: int, context_lens: list[int], shuffled: bool,
+                 block_size: int = 16, seed: int = 0) -> list[PagedStep]:
+    """One decode step's layout per layer, each over its own pool of random keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // block_size) for n in context_lens)
+    kernel = SdpaAttention()  # one for every layer, as in the engine
+    steps = []
+    for _ in range(layers):
+        pool = PagedPool(1, blocks, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        if shuffled:
+            order = torch.randperm(blocks, generator=generator).tolist()
+            free = list(pool.free_list)
+            pool.free_list = type(pool.free_list)(free[i] for i in order)
+        for seq, length in enumerate(context_lens):
+            assert pool.reserve(seq, length)
+        pool.keys[0][1:].normal_(generator=generator)  # block 0 stays the pool's zero block
+        pool.values[0][1:].normal_(generator=generator)
+        tables = torch.zeros(len(context_lens), max(len(pool.blocks_of(s)) for s in range(len(context_lens))),
+                             dtype=torch.int32)
+        for seq in range(len(context_lens)):
+            tables[seq, :len(pool.blocks_of(seq))] = torch.tensor(pool.blocks_of(seq), dtype=torch.int32)
+        steps.append(PagedStep(pool=pool, kernel=kernel, slot_mapping=torch.zeros(len(context_lens), dtype=torch.long),
+                               query_starts=list(range(len(context_lens))), query_lens=[1] * len(context_lens),
+                               context_lens=list(context_lens), block_tables=tables,
+                               max_context_len=max(context_lens)))
+    return steps
+
+
+def median_ms(run: Callable[[], None], repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def peers(steps: list[PagedStep], query: torch.Tensor, source: str | None) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each peer as a function running one step's attention over every layer (the last layer's output returned)."""
+    scale = query.shape[-1] ** -0.5
+    lengths = torch.tensor(steps[0].context_lens)
+
+    def kernel_of(module) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            for step in steps:
+                out = module.paged_decode(query, step.pool.keys[0], step.pool.values[0], step.block_tables,
+                                          lengths, 0, scale)
+            return out
+        return run
+
+    def sdpa() -> torch.Tensor:
+        for step in steps:
+            step.scratch.clear()
+            out = step.kernel.paged_attention(query, step.pool.keys[0], step.pool.values[0], step, scale)
+        return out
+
+    found = {}
+    module, reason = native_kernels._load()
+    if module is None:
+        print(f"native kernel unavailable: {reason}")
+    else:
+        found["native"] = kernel_of(module)
+    if source:
+        from torch.utils.cpp_extension import load
+
+        name, flags = native_kernels._compiler_flags()
+        other = load(f"{name}_bench_{Path(source).stem}", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        found[Path(source).name] = kernel_of(other)
+    steps[0].kernel._native = False  # the plain path, as with --disable-custom-kernels
+    found["sdpa"] = sdpa
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, nargs=2, default=[100, 1500], metavar=("LOW", "HIGH"),
+                        help="context lengths drawn uniformly from [LOW, HIGH)")
+    parser.add_argument("--layout", nargs="+", choices=["in-order", "shuffled"], default=["in-order", "shuffled"])
+    parser.add_argument("--source", help="another version of core/native/paged_decode.cpp to time beside")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    shape = SMOLLM2
+    print(f"decode attention over {shape['layers']} layers, float32, {torch.get_num_threads()} threads; "
+          f"median ms per step (KV read GB/s)")
+    header = None
+    for layout in args.layout:
+        for seqs in args.seqs:
+            generator = torch.Generator().manual_seed(seqs)
+            context_lens = torch.randint(args.context[0], args.context[1], (seqs,), generator=generator).tolist()
+            steps = decode_steps(shape["layers"], shape["kv_heads"], shape["head_dim"], context_lens, layout == "shuffled")
+            query = torch.randn(seqs, shape["heads"], shape["head_dim"], generator=generator)
+            runs = peers(steps, query, args.source)
+            outputs = {name: run() for name, run in runs.items()}
+            reference = outputs["sdpa"]
+            for name, out in outputs.items():
+                torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4, msg=f"{name} disagrees with sdpa")
+            kv_bytes = 2 * sum(context_lens) * shape["kv_heads"] * shape["head_dim"] * 4 * shape["layers"]
+            times = {name: median_ms(run, args.repeats) for name, run in runs.items()}
+            if header is None:
+                header = list(times)
+                print("| layout | seqs | " + " | ".join(header) + " | sdpa ÷ native |")
+                print("| --- | --- | " + " | ".join("---" for _ in header) + " | --- |")
+            cells = [f"{times[n]:.1f} ({kv_bytes / times[n] / 1e6:.1f})" for n in header]
+            ratio = f"{times['sdpa'] / times['native']:.2f}×" if "native" in times else "-"
+            print(f"| {layout} | {seqs} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
