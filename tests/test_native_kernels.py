@@ -42,7 +42,8 @@ def sdpa_reference(query, keys, values, tables, context_lens, window, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3),
+                                              (torch.float64, 1e-5)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dim", [16, 12], ids=["eight-lane-dim", "other-dim"])
 def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window, dim):
@@ -53,6 +54,31 @@ def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, w
     expected = sdpa_reference(query, keys, values, tables, context_lens, window, 0.25)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_scores_far_apart_still_match_sdpa():
+    """Scores that differ by far more than 87 (where the vectorised exp stops) weigh nothing, as in SDPA."""
+    context_lens = [3, 50]
+    keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=1, dim=16, dtype=torch.float32)
+    query = torch.randn(2, 2, 16) * 40
+    got = native_kernels.paged_decode(query, keys, values, tables, torch.tensor(context_lens), None, 1.0)
+    torch.testing.assert_close(got, sdpa_reference(query, keys, values, tables, context_lens, None, 1.0))
+
+
+@pytest.mark.parametrize("dim", [16, 12], ids=["eight-lane-dim", "other-dim"])
+def test_a_nan_in_the_keys_gives_nan_for_the_heads_that_read_it_and_no_others(dim):
+    context_lens = [9, 9]
+    keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=dim, dtype=torch.float32)
+    keys[tables[0, 1], 2, 1, 0] = float("nan")  # sequence 0, position 6, KV head 1
+    got = native_kernels.paged_decode(torch.randn(2, 4, dim), keys, values, tables, torch.tensor(context_lens), None, 0.25)
+    assert got[0, 2:].isnan().all() and not got[0, :2].isnan().any() and not got[1].isnan().any()
+
+
+def test_the_kernel_refuses_a_block_table_that_names_a_block_outside_the_caches():
+    keys, values, tables = scattered_pool([8], block_size=4, kv_heads=1, dim=8, dtype=torch.float32)
+    tables[0, 1] = keys.shape[0]
+    with pytest.raises(RuntimeError, match="outside the caches"):
+        native_kernels.paged_decode(torch.randn(1, 1, 8), keys, values, tables, torch.tensor([8]), None, 1.0)
 
 
 def test_the_kernel_refuses_a_context_longer_than_its_block_table():

@@ -6,12 +6,11 @@
 // block_tables [seqs, width] (int32); context_lens [seqs]. The query attends to positions
 // [context - window, context) of its sequence (all of them when window is 0).
 //
-// One task per sequence reads its key rows, then its value rows, once each and in memory order,
-// every head using a row while it is in L1. Orders that jump between rows (head by head over a
-// block, or four rows at once) measured slower, as did one task per KV head, which reads a third
-// of each row: they defeat the hardware prefetcher. Where the CPU has AVX2, FMA and F16C (the
-// build passes those flags only then) and dim is a multiple of 8, the dot products, the
-// exponentials and the value sums run eight lanes at a time.
+// One task per sequence reads its key rows, then its value rows, once each in position order
+// (in memory order within each block), every head using a row while it is in L1; the layouts
+// tried before this one are in bench/RESULTS.md. Where torch reports AVX2 the build adds AVX2, FMA
+// and F16C; then the exponentials, and where dim is a multiple of 8 the dot products and the
+// value sums, run eight lanes at a time.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,6 +35,10 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+template <typename T>
+constexpr bool has_vector_loads =
+    std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
 inline float sum8(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -45,7 +48,7 @@ inline float sum8(__m256 x) {
 // e^x for x <= 0 (scores minus their maximum): Cody-Waite range reduction and Cephes' expf
 // polynomial; inputs below -87 give ~1e-38 instead of underflowing.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // x second: a NaN stays NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -112,10 +115,6 @@ inline float exponentiate_scalar(float* scores, int64_t n) {
   return total;
 }
 
-template <typename T>
-constexpr bool has_vector_loads =
-    std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
-
 // scores[h * n] = q[h] . row[(h / group) * dim] for each query head h.
 template <typename T>
 void score(bool vector, const float* q, const T* row, int64_t heads, int64_t group, int64_t dim, float* scores,
@@ -146,11 +145,12 @@ void sum_values(bool vector, const float* weights, const T* row, int64_t heads, 
   for (int64_t h = 0; h < heads; ++h) axpy_scalar(weights[h * n], row + h / group * dim, dim, acc + h * dim);
 }
 
-inline float softmax_weights(bool vector, float* scores, int64_t n) {
+inline float softmax_weights(float* scores, int64_t n) {
 #ifdef TOKENMILL_AVX2
-  if (vector) return exponentiate(scores, n);
-#endif
+  return exponentiate(scores, n);
+#else
   return exponentiate_scalar(scores, n);
+#endif
 }
 
 struct Shape {
@@ -189,7 +189,7 @@ void decode_rows(const T* query, const T* keys, const T* values, const int32_t* 
       for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
         score(vector, q.data(), keys + cache_row * row, shape.heads, group, dim, scores.data() + offset, n);
       });
-      for (int64_t h = 0; h < shape.heads; ++h) inverse[h] = 1.f / softmax_weights(vector, scores.data() + h * n, n);
+      for (int64_t h = 0; h < shape.heads; ++h) inverse[h] = 1.f / softmax_weights(scores.data() + h * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
         sum_values(vector, scores.data() + offset, values + cache_row * row, shape.heads, group, dim, acc.data(), n);
@@ -211,6 +211,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   const int64_t seqs = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == dim && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "the key and value caches must have one shape");
   TORCH_CHECK(block_tables.size(0) == seqs && context_lens.size(0) == seqs, "one table and length per sequence");
   auto q = query.contiguous();
   auto tables = block_tables.to(torch::kInt32).contiguous();
@@ -218,6 +219,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() > 0, "every sequence needs context");
   TORCH_CHECK(lengths.numel() == 0 || lengths.max().item<int64_t>() <= tables.size(1) * block_size,
               "a context is longer than its block table");
+  const int32_t* entries = tables.data_ptr<int32_t>();
+  TORCH_CHECK(std::all_of(entries, entries + tables.numel(), [&](int32_t b) { return b >= 0 && b < key_cache.size(0); }),
+              "a block table names a block outside the caches");
   auto out = torch::empty_like(q);
   const Shape shape{heads, kv_heads, dim, block_size, tables.size(1), window, static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
