@@ -3,8 +3,8 @@
 Times the attention of one decode step over a model's layers (SmolLM2-135M's shapes by default):
 ``--seqs`` sequences, contexts drawn from ``--context``, their KV blocks handed out by the paged
 pool either in order (a fresh pool, or a prompt's blocks taken at once) or shuffled over the pool
-(a pool after long churn). Each layer has its own pool, as in the engine, so the KV comes from
-memory rather than from cache. Peers in one run:
+(a pool after long churn). Every layer has keys and values of its own, so beyond a few sequences
+they come from memory, not cache. Peers in one run:
 
 - ``native``: the kernel the engine calls for decode rows on CPU;
 - ``sdpa``: the plain path (``--disable-custom-kernels``): gather each sequence's blocks, then SDPA;
@@ -17,10 +17,12 @@ memory rather than from cache. Peers in one run:
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
+from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -32,35 +34,31 @@ from tokenmill_plugins.kv.paged import PagedPool
 SMOLLM2 = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
 
 
-def decode_steps(layers: int, kv_heads: int, head_dim: int, context_lens: list[int], shuffled: bool,
-                 block_size: int = 16, seed: int = 0) -> list[PagedStep]:
-    """One decode step's layout per layer, each over its own pool of random keys and values."""
+def decode_step(layers: int, kv_heads: int, head_dim: int, context_lens: list[int], shuffled: bool,
+                block_size: int = 16, seed: int = 0) -> PagedStep:
+    """One decode step's layout over a pool of ``layers`` layers of random keys and values, as the
+    engine builds it: one pool and one block table for every layer."""
     generator = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // block_size) for n in context_lens)
-    kernel = SdpaAttention()  # one for every layer, as in the engine
-    steps = []
-    for _ in range(layers):
-        pool = PagedPool(1, blocks, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-        if shuffled:
-            order = torch.randperm(blocks, generator=generator).tolist()
-            free = list(pool.free_list)
-            pool.free_list = type(pool.free_list)(free[i] for i in order)
-        for seq, length in enumerate(context_lens):
-            assert pool.reserve(seq, length)
-        pool.keys[0][1:].normal_(generator=generator)  # block 0 stays the pool's zero block
-        pool.values[0][1:].normal_(generator=generator)
-        tables = torch.zeros(len(context_lens), max(len(pool.blocks_of(s)) for s in range(len(context_lens))),
-                             dtype=torch.int32)
-        for seq in range(len(context_lens)):
-            tables[seq, :len(pool.blocks_of(seq))] = torch.tensor(pool.blocks_of(seq), dtype=torch.int32)
-        steps.append(PagedStep(pool=pool, kernel=kernel, slot_mapping=torch.zeros(len(context_lens), dtype=torch.long),
-                               query_starts=list(range(len(context_lens))), query_lens=[1] * len(context_lens),
-                               context_lens=list(context_lens), block_tables=tables,
-                               max_context_len=max(context_lens)))
-    return steps
+    pool = PagedPool(layers, blocks, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    if shuffled:
+        free = list(pool.free_list)
+        pool.free_list = deque(free[i] for i in torch.randperm(blocks, generator=generator).tolist())
+    for seq, length in enumerate(context_lens):
+        if not pool.reserve(seq, length):
+            raise RuntimeError("the pool is too small for the contexts")
+    for cache in pool.keys + pool.values:
+        cache[1:].normal_(generator=generator)  # after reserve zeroed them; block 0 stays the pool's zero block
+    tables = torch.zeros(len(context_lens), max(len(pool.blocks_of(s)) for s in range(len(context_lens))),
+                         dtype=torch.int32)
+    for seq in range(len(context_lens)):
+        tables[seq, :len(pool.blocks_of(seq))] = torch.tensor(pool.blocks_of(seq), dtype=torch.int32)
+    return PagedStep(pool=pool, kernel=SdpaAttention(), slot_mapping=torch.zeros(len(context_lens), dtype=torch.long),
+                     query_starts=list(range(len(context_lens))), query_lens=[1] * len(context_lens),
+                     context_lens=list(context_lens), block_tables=tables, max_context_len=max(context_lens))
 
 
-def median_ms(run: Callable[[], None], repeats: int) -> float:
+def median_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:
     run()
     times = []
     for _ in range(repeats):
@@ -70,23 +68,23 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def peers(steps: list[PagedStep], query: torch.Tensor, source: str | None) -> dict[str, Callable[[], torch.Tensor]]:
-    """Each peer as a function running one step's attention over every layer (the last layer's output returned)."""
+def peers(step: PagedStep, query: torch.Tensor, source: str | None) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each peer as a function running the step's attention over every layer (the last layer's output returned)."""
     scale = query.shape[-1] ** -0.5
-    lengths = torch.tensor(steps[0].context_lens)
+    lengths = torch.tensor(step.context_lens)
+    layers = list(zip(step.pool.keys, step.pool.values))
 
-    def kernel_of(module) -> Callable[[], torch.Tensor]:
+    def kernel_of(module: Any) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
-            for step in steps:
-                out = module.paged_decode(query, step.pool.keys[0], step.pool.values[0], step.block_tables,
-                                          lengths, 0, scale)
+            for keys, values in layers:
+                out = module.paged_decode(query, keys, values, step.block_tables, lengths, 0, scale)
             return out
         return run
 
     def sdpa() -> torch.Tensor:
-        for step in steps:
-            step.scratch.clear()
-            out = step.kernel.paged_attention(query, step.pool.keys[0], step.pool.values[0], step, scale)
+        step.scratch.clear()  # the plan is made once per step, as in the engine, and used by every layer
+        for keys, values in layers:
+            out = step.kernel.paged_attention(query, keys, values, step, scale)
         return out
 
     found = {}
@@ -99,9 +97,10 @@ def peers(steps: list[PagedStep], query: torch.Tensor, source: str | None) -> di
         from torch.utils.cpp_extension import load
 
         name, flags = native_kernels._compiler_flags()
-        other = load(f"{name}_bench_{Path(source).stem}", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        suffix = re.sub(r"\W", "_", Path(source).stem)  # a module name takes no dots or dashes
+        other = load(f"{name}_bench_{suffix}", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"])
         found[Path(source).name] = kernel_of(other)
-    steps[0].kernel._native = False  # the plain path, as with --disable-custom-kernels
+    step.kernel._native = False  # the plain path, as with --disable-custom-kernels
     found["sdpa"] = sdpa
     return found
 
@@ -115,22 +114,21 @@ def main() -> None:
     parser.add_argument("--source", help="another version of core/native/paged_decode.cpp to time beside")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    shape = SMOLLM2
-    print(f"decode attention over {shape['layers']} layers, float32, {torch.get_num_threads()} threads; "
+    print(f"decode attention over {SMOLLM2['layers']} layers, float32, {torch.get_num_threads()} threads; "
           f"median ms per step (KV read GB/s)")
     header = None
     for layout in args.layout:
         for seqs in args.seqs:
             generator = torch.Generator().manual_seed(seqs)
             context_lens = torch.randint(args.context[0], args.context[1], (seqs,), generator=generator).tolist()
-            steps = decode_steps(shape["layers"], shape["kv_heads"], shape["head_dim"], context_lens, layout == "shuffled")
-            query = torch.randn(seqs, shape["heads"], shape["head_dim"], generator=generator)
-            runs = peers(steps, query, args.source)
+            step = decode_step(SMOLLM2["layers"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], context_lens, layout == "shuffled")
+            query = torch.randn(seqs, SMOLLM2["heads"], SMOLLM2["head_dim"], generator=generator)
+            runs = peers(step, query, args.source)
             outputs = {name: run() for name, run in runs.items()}
             reference = outputs["sdpa"]
             for name, out in outputs.items():
                 torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4, msg=f"{name} disagrees with sdpa")
-            kv_bytes = 2 * sum(context_lens) * shape["kv_heads"] * shape["head_dim"] * 4 * shape["layers"]
+            kv_bytes = 2 * sum(context_lens) * SMOLLM2["kv_heads"] * SMOLLM2["head_dim"] * 4 * SMOLLM2["layers"]
             times = {name: median_ms(run, args.repeats) for name, run in runs.items()}
             if header is None:
                 header = list(times)

@@ -285,12 +285,13 @@ def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_th
 
     from bench import decode_attention
 
-    in_order = decode_attention.decode_steps(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=False,
-                                             block_size=4)
-    shuffled = decode_attention.decode_steps(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=True,
-                                             block_size=4)
-    assert in_order[0].block_tables[1, :10].tolist() == list(range(3, 13))
-    assert sorted(shuffled[0].block_tables[1, :10].tolist()) != shuffled[0].block_tables[1, :10].tolist()
+    in_order = decode_attention.decode_step(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=False,
+                                            block_size=4)
+    shuffled = decode_attention.decode_step(2, kv_heads=2, head_dim=16, context_lens=[5, 40], shuffled=True,
+                                            block_size=4)
+    assert in_order.block_tables[1, :10].tolist() == list(range(3, 13))
+    assert sorted(shuffled.block_tables[1, :10].tolist()) != shuffled.block_tables[1, :10].tolist()
+    assert not shuffled.pool.keys[1][shuffled.block_tables[1, :10].long()].eq(0).all()
     query = torch.randn(2, 4, 16)
     runs = decode_attention.peers(shuffled, query, source=None)
     assert "sdpa" in runs
