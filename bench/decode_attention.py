@@ -29,6 +29,7 @@ import torch
 from tokenmill import native_kernels
 from tokenmill.interfaces import PagedStep
 from tokenmill_plugins.attention.torch_kernels import SdpaAttention
+from tokenmill_plugins.backends.paged import padded_block_tables
 from tokenmill_plugins.kv.paged import PagedPool
 
 SMOLLM2 = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
@@ -49,10 +50,7 @@ def decode_step(layers: int, kv_heads: int, head_dim: int, context_lens: list[in
             raise RuntimeError("the pool is too small for the contexts")
     for cache in pool.keys + pool.values:
         cache[1:].normal_(generator=generator)  # after reserve zeroed them; block 0 stays the pool's zero block
-    tables = torch.zeros(len(context_lens), max(len(pool.blocks_of(s)) for s in range(len(context_lens))),
-                         dtype=torch.int32)
-    for seq in range(len(context_lens)):
-        tables[seq, :len(pool.blocks_of(seq))] = torch.tensor(pool.blocks_of(seq), dtype=torch.int32)
+    tables = padded_block_tables(pool, list(range(len(context_lens))))
     return PagedStep(pool=pool, kernel=SdpaAttention(), slot_mapping=torch.zeros(len(context_lens), dtype=torch.long),
                      query_starts=list(range(len(context_lens))), query_lens=[1] * len(context_lens),
                      context_lens=list(context_lens), block_tables=tables, max_context_len=max(context_lens))

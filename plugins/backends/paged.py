@@ -176,10 +176,7 @@ class PagedRunner(BackendRunner):
         positions: list[int] = []
         slots: list[torch.Tensor] = []
         query_starts: list[int] = []
-        tables = [self.pool.blocks_of(s.id) for s in seqs]
-        block_tables = torch.zeros((len(seqs), max(len(t) for t in tables)), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = padded_block_tables(self.pool, [s.id for s in seqs])
         for row, (seq, start, length) in enumerate(zip(seqs, starts, lengths)):
             query_starts.append(len(tokens))
             is_last_token = start == seq.total_len - 1
@@ -285,6 +282,15 @@ class FlashBackend(PagedBackend):
         if head_dim > 256 or head_dim % 8:
             return f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); use --backend paged"
         return None
+
+
+def padded_block_tables(pool: BlockPool, seq_ids: list[int]) -> torch.Tensor:
+    """``[sequences, most blocks]`` int32: each sequence's blocks in the pool, padded with 0 (the zero block)."""
+    tables = [pool.blocks_of(seq_id) for seq_id in seq_ids]
+    block_tables = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return block_tables
 
 
 def _cpp_compiler() -> str:
