@@ -92,13 +92,18 @@ def test_health_is_503_while_loading_200_when_ready_and_503_while_draining_then_
     assert "draining: 3 requests in flight" in server.log()
 
 
+LONG = 2000
+"""New tokens of a request that outlasts a drain: a few seconds on the tiny model, however fast the machine,
+since a slow reader cannot hold it back (the sockets' buffers take a whole stream of the tiny model's)."""
+
+
 def test_requests_still_running_when_the_grace_period_ends_get_a_final_error_event(tiny_model_dir, tmp_path):
-    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "2048",
                            "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "1"], tmp_path)
     whole: list[httpx.Response] = []
     try:
-        streams, threads = start_streams(server, 2, max_new_tokens=500)
-        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 500}}
+        streams, threads = start_streams(server, 2, max_new_tokens=LONG)
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": LONG}}
         threads.append(threading.Thread(target=lambda: whole.append(server.client().post("/generate", json=body))))
         threads[-1].start()
         time.sleep(0.2)
@@ -109,7 +114,7 @@ def test_requests_still_running_when_the_grace_period_ends_get_a_final_error_eve
     finally:
         server.stop()
     for events in streams:
-        assert 1 <= len(events) < 500
+        assert 1 <= len(events) < LONG
         assert events[-1] == {"error": "the server is shutting down", "error_type": "unhealthy"}
     assert whole[0].status_code == 503 and whole[0].json()["error_type"] == "unhealthy"
 
@@ -139,10 +144,10 @@ def test_a_request_still_uploading_when_sigterm_comes_is_served(tiny_model_dir, 
 
 @pytest.mark.parametrize("server_kind", ["uvicorn", "gunicorn"])  # gunicorn passes the second one to its worker
 def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tmp_path, server_kind):
-    server = start_server(["--model-id", str(tiny_model_dir), "--server", server_kind, "--max-total-tokens", "512",
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", server_kind, "--max-total-tokens", "2048",
                            "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "300"], tmp_path)
     try:
-        streams, threads = start_streams(server, 1, max_new_tokens=500)
+        streams, threads = start_streams(server, 1, max_new_tokens=LONG)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         server.process.send_signal(signal.SIGTERM)
@@ -151,7 +156,7 @@ def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tm
         assert server.process.wait(30) == 0
     finally:
         server.stop()
-    assert streams[0][-1]["error_type"] == "unhealthy" and len(streams[0]) < 500
+    assert streams[0][-1]["error_type"] == "unhealthy" and len(streams[0]) < LONG
 
 
 def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drains_on_sigterm(tiny_model_dir,

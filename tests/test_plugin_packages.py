@@ -50,7 +50,7 @@ def unbanned(tiny_model) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def example_server(example_venv, tiny_model_dir, unbanned, tmp_path_factory) -> Iterator[tuple[RunningServer, list]]:
     banned = banned_words_of(" ".join(unbanned.values()))
-    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "2048",
                            "--scheduler", "shortest-prompt-first", "--max-batch-size", "1",
                            "--stream-buffer-tokens", "2"],
                           tmp_path_factory.mktemp("example"), python=str(example_venv),
@@ -109,12 +109,11 @@ def test_its_scheduler_starts_the_shortest_waiting_prompt_first(example_server):
         assert client.get("/info").json()["scheduler"] == "shortest-prompt-first"
     started = threading.Event()
 
-    def hold_the_only_seat() -> None:  # a stream read slowly keeps the one batch seat (--max-batch-size 1)
-        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 200}}
+    def hold_the_only_seat() -> None:  # a long stream keeps the one batch seat (--max-batch-size 1) for seconds
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2000}}
         with server.client() as client, client.stream("POST", "/generate_stream", json=body) as answer:
             for line in answer.iter_lines():
                 started.set()
-                time.sleep(0.01)
 
     holder = threading.Thread(target=hold_the_only_seat)
     holder.start()
