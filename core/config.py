@@ -71,6 +71,7 @@ class Config:
     scheduler: str = "fifo"
     kv_allocator: str | None = None
     block_size: int | None = None
+    prefix_caching: bool = True
     kv_cache_dtype: str | None = None
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
@@ -295,6 +296,7 @@ _HELP = {
     "scheduler": "scheduler plugin",
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
     "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
+    "prefix_caching": "paged backends: keep the KV blocks of finished sequences and reuse them for prompts that begin the same way (TGI's PREFIX_CACHING; --no-prefix-caching or PREFIX_CACHING=0 turns it off)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 (CUDA, paged backend with sdpa attention)",
     "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
     "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",

@@ -73,11 +73,6 @@ def eos_ids_of(generation_eos: int | list[int] | None, tokenizer: Any) -> set[in
     return ids
 
 
-def wants_prompt_logits(seq: Sequence) -> bool:
-    """Prompt details are computed once, on the first prefill (not again after a preemption)."""
-    return seq.request.decoder_input_details and not seq.prefill_tokens
-
-
 class Engine:
     """Continuous batching over a :class:`BackendRunner`.
 
@@ -120,6 +115,13 @@ class Engine:
         """Admitted sequences whose prompt is prefilled in chunks over several steps."""
         self.preemptions = 0
         self.suspensions = 0
+        self.prefix_caching = bool(getattr(runner, "prefix_caching", False))
+        """Whether sequences start from the runner's cached prefixes (see :meth:`BackendRunner.prefix_hit`)."""
+        self.prefix_queried_tokens = 0
+        """Tokens of the sequences started (or restarted after a preemption) that were looked up in the prefix cache ..."""
+        self.prefix_hit_tokens = 0
+        """... and of those, the tokens found there."""
+        self._reset_requests: list[Callable[[int], None]] = []
         self._incoming: list[Sequence] = []
         self._cancelled: dict[int, Sequence] = {}
         self._wake = threading.Condition()
@@ -159,6 +161,22 @@ class Engine:
             seq.cancelled = True
             self._cancelled[seq.id] = seq
             self._wake.notify()
+
+    def reset_prefix_cache(self, done: Callable[[int], None]) -> None:
+        """Drop every cached block that no sequence holds, between two steps; ``done`` is then called
+        (from the engine thread) with how many."""
+        with self._wake:
+            closed = self._closed
+            if not closed:
+                self._reset_requests.append(done)
+                self._wake.notify()
+        if closed:
+            done(0)
+
+    def drop_cached_prefixes(self) -> int:
+        """(Engine thread.) What :meth:`reset_prefix_cache` does; an engine-owning backend's engine
+        overrides it to reset its own cache."""
+        return self.runner.reset_prefix_cache() if self.prefix_caching else 0
 
     @property
     def queue_size(self) -> int:
@@ -227,13 +245,14 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the engine is stopping."""
         with self._wake:
-            idle = not (self._incoming or self._cancelled)
+            idle = not (self._incoming or self._cancelled or self._reset_requests)
             if idle and not self.batch_size and len(self.queue):
                 # Requests wait but none fits: wait for a change rather than spin.
                 self._wake.wait(0.05)
             elif idle and self.running and not self.prefilling and not len(self.queue) and not self._decoding():
                 self._wake.wait(0.01)  # every sequence waits for its client to read
-            while not self._stopping and not (self._incoming or self._cancelled or self.batch_size or len(self.queue)):
+            while not self._stopping and not (self._incoming or self._cancelled or self._reset_requests
+                                              or self.batch_size or len(self.queue)):
                 self._wake.wait()
             return not self._stopping
 
@@ -241,6 +260,9 @@ class Engine:
         with self._wake:
             self._closed = True
             incoming, self._incoming = self._incoming, []
+            resets, self._reset_requests = self._reset_requests, []
+        for done in resets:
+            done(0)
         waiting = self.queue.drain()
         for seq in self.running + self.prefilling + waiting + incoming:
             self._emit(seq, ErrorEvent(message, "unhealthy"))
@@ -251,10 +273,13 @@ class Engine:
         with self._wake:
             incoming, self._incoming = self._incoming, []
             cancelled, self._cancelled = self._cancelled, {}
+            resets, self._reset_requests = self._reset_requests, []
         for seq in incoming:
             if not seq.cancelled:
                 self.queue.add(seq)
         self._drop(cancelled)
+        for done in resets:
+            done(self.drop_cached_prefixes())
         self.step()
         self._publish()
 
@@ -276,7 +301,7 @@ class Engine:
             return {"id": seq.id, "state": state, "priority": seq.request.priority, "prompt_tokens": seq.prompt_len,
                     "generated_tokens": len(seq.generated_ids), "max_new_tokens": seq.request.max_new_tokens,
                     "waited_seconds": round(max(0.0, started - seq.arrived_at), 3),
-                    "unsent_tokens": seq.backlog(),
+                    "unsent_tokens": seq.backlog(), "cached_tokens": seq.cached_tokens,
                     "preempted": seq.admitted_at is not None and state == "waiting"}
 
         return {"pending": [entry(s, "waiting") for s in incoming + list(waiting)],
@@ -304,7 +329,7 @@ class Engine:
         method = "prefill" if prefilling else "decode"
         started = time.perf_counter()
         try:
-            out = self.runner.step(prefilling, chunks, [wants_prompt_logits(s) for s in prefilling], decoding)
+            out = self.runner.step(prefilling, chunks, [s.wants_prompt_logits for s in prefilling], decoding)
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
             self._observe(method, len(plan), started, started, ok=False)
@@ -343,7 +368,7 @@ class Engine:
 
     def _step_budget(self, prefill_tokens: int) -> StepBudget:
         return StepBudget(prefill_tokens, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
-                          self.runner.kv_block_size)
+                          self.runner.kv_block_size, self.runner if self.prefix_caching else None)
 
     def _preempt_for_waiting(self) -> None:
         """Set aside the running sequences the scheduler names to let waiting ones start (a
@@ -374,27 +399,56 @@ class Engine:
         plan: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
             chunk = self._chunk(seq, budget)
-            if chunk:
+            if chunk and self._plan_chunk(seq, chunk):
                 plan.append((seq, chunk))
                 budget -= chunk
         if budget <= 0:
             return plan
         for seq in self.queue.admit(self.running + self.prefilling, self._step_budget(budget)):
-            chunk = self._chunk(seq, budget)
-            if not chunk:  # it must go whole and does not fit what is left: first in line next step
-                self.queue.requeue(seq)
-                continue
-            if not self.start_sequence(seq):
-                continue
-            self.prefilling.append(seq)
-            plan.append((seq, chunk))
-            budget -= chunk
+            chunk = self._start_prefill(seq, budget)
+            if chunk:
+                self.prefilling.append(seq)
+                plan.append((seq, chunk))
+                budget -= chunk
         return plan
+
+    def _start_prefill(self, seq: Sequence, budget: int) -> int:
+        """An admitted sequence's first chunk this step, after what it takes from the prefix cache;
+        0 when it waits for the next step (requeued, first in line) or failed to start."""
+        fresh = seq.num_computed == 0  # new, or preempted: it holds no KV memory
+        cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
+        seq.num_computed += cached
+        chunk = self._chunk(seq, budget)
+        if chunk and not self.start_sequence(seq):
+            return 0  # it failed, and was told
+        if not chunk or not self._plan_chunk(seq, chunk):
+            # It must go whole and does not fit what is left, or its KV memory is short: next step.
+            seq.num_computed -= cached
+            self.queue.requeue(seq)
+            return 0
+        if self.prefix_caching and fresh:
+            if not seq.generated_ids:
+                seq.cached_tokens = cached
+            self.prefix_queried_tokens += seq.total_len
+            self.prefix_hit_tokens += cached
+        return chunk
+
+    def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:
+        """Tell a prefix-caching runner the chunk ``seq`` prefills this step; False when its KV memory
+        cannot be had now (nothing was taken)."""
+        if not self.prefix_caching:
+            return True
+        try:
+            self.runner.plan_prefill(seq, chunk)
+        except MemoryError as error:
+            log.info("sequence %d waits: %s", seq.id, error)
+            return False
+        return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s pending tokens to prefill with ``budget`` left (0: next step)."""
         whole = seq.pending_len
-        if self.runner.chunked_prefill and not wants_prompt_logits(seq):
+        if self.runner.chunked_prefill and not seq.wants_prompt_logits:
             return max(0, min(whole, budget))
         # All at once. One that could never fit a step's budget runs oversized rather than wait forever.
         return whole if whole <= budget or whole > self.prefill_budget else 0
@@ -580,4 +634,5 @@ class Engine:
             input_length=seq.prompt_len,
             queue_seconds=admitted - seq.arrived_at,
             inference_seconds=now - admitted,
+            cached_tokens=seq.cached_tokens,
         )

@@ -115,6 +115,44 @@ class BlockPool(Protocol):
     def bytes_per_block(self) -> int: ...
 
 
+@runtime_checkable
+class CachingBlockPool(BlockPool, Protocol):
+    """A block pool that keeps computed blocks for reuse (automatic prefix caching).
+
+    A full block may be *named* by the hash of its contents (see :mod:`tokenmill.prefix`). A named
+    block whose last holder lets go stays in the pool as *cached*, unreferenced, in least recently
+    used order, instead of returning to the free list; ``free_blocks()`` counts it as free, and
+    ``reserve`` evicts the least recently used cached block once the free list is empty."""
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks named by the leading ``hashes``, up to the first that no block bears (the pool is not changed)."""
+        ...
+
+    def idle_among(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no sequence holds now (cached, counted as free)."""
+        ...
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """Start the (empty) table of ``seq_id`` with ``blocks``, each held once more."""
+        ...
+
+    def name(self, block: int, block_hash: bytes) -> bool:
+        """Name a full, computed block; False (nothing done) when another block bears that hash already."""
+        ...
+
+    def unname(self, block: int) -> None:
+        """Forget a block's name (its contents were never computed); an unheld one returns to the free list."""
+        ...
+
+    def drop_cached(self) -> int:
+        """Free every cached block no sequence holds; returns how many."""
+        ...
+
+    def cached_blocks(self) -> int:
+        """Blocks that bear a name, held or not."""
+        ...
+
+
 class KVAllocator(Implementation):
     """Owns the memory of the KV cache; ``create`` returns the backend-facing store."""
 
@@ -161,6 +199,30 @@ class StepBudget:
     kv_free_tokens: int | None
     """KV positions free now (paged); None when KV memory follows ``max_batch_total_tokens``."""
     block_size: int = 1
+    prefix: PrefixLookup | None = None
+    """Where the prompts' computed prefixes are looked up; None when the backend caches none."""
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The leading tokens of a sequence whose keys and values the KV pool holds already."""
+
+    tokens: int
+    """Tokens that need no prefill (whole blocks; never the last token, whose logits are needed)."""
+    idle_blocks: int = 0
+    """Of the blocks it would take, those no sequence holds now: taking them uses up free KV memory."""
+
+
+NO_HIT = PrefixHit(0)
+
+
+class PrefixLookup(Protocol):
+    """Answers, without changing anything, how much of a waiting sequence's context is cached."""
+
+    def prefix_hit(self, seq: Sequence, planned: frozenset[bytes] = frozenset()) -> PrefixHit:
+        """The cached prefix ``seq`` would take if it started now; ``planned`` names blocks that sequences
+        admitted earlier in the same step will compute, which it would share too."""
+        ...
 
 
 class SchedulerQueue(Protocol):
@@ -288,8 +350,28 @@ class BackendRunner(Protocol):
         ...
 
     def kv_usage(self) -> dict[str, int]:
-        """KV memory now: ``bytes`` held, and for a block pool ``blocks_used`` and ``blocks_total``."""
+        """KV memory now: ``bytes`` held, and for a block pool ``blocks_used`` and ``blocks_total``
+        (and ``blocks_cached`` where it caches prefixes)."""
         ...
+
+    # Prefix caching: a runner that reuses computed prompt prefixes sets ``prefix_caching`` and
+    # implements the three methods below (the engine calls them only then).
+    prefix_caching: bool = False
+
+    def prefix_hit(self, seq: Sequence, planned: frozenset[bytes] = frozenset()) -> PrefixHit:
+        """:meth:`PrefixLookup.prefix_hit`: the cached prefix a sequence holding no KV memory would take."""
+        return NO_HIT
+
+    def plan_prefill(self, seq: Sequence, chunk: int) -> None:
+        """Called while the engine plans a step, for each sequence that prefills ``chunk`` tokens in it,
+        in the order they will run, before :meth:`step`. A sequence holding no KV memory whose
+        ``num_computed`` the engine set from :meth:`prefix_hit` first takes those cached blocks. Then
+        its whole context is reserved and the blocks complete after this chunk are named, so that a
+        sequence planned after it in the same step shares them. MemoryError when the pool is short."""
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no sequence holds; returns how many."""
+        return 0
 
 
 @dataclass

@@ -165,7 +165,8 @@ class LiveGauges(Collector):
     """Gauges (and the engine's own counters) read when Prometheus scrapes, from ``snapshot()``:
     ``queue_size``, ``batch_size``, ``batch_max_tokens``, ``in_flight``, ``queue_by_class``
     ({class: waiting}), ``kv`` (the runner's ``kv_usage()``), ``lora`` (the adapter cache's
-    ``usage()``, or None), ``preemptions``, ``suspensions``."""
+    ``usage()``, or None), ``preemptions``, ``suspensions``, ``prefix_cache`` (looked-up and found
+    tokens, or None without a prefix cache)."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
@@ -199,6 +200,16 @@ class LiveGauges(Collector):
                                       value=lora["loads"])
             yield CounterMetricFamily("tokenmill_lora_evictions", "LoRA adapters evicted from memory",
                                       value=lora["evictions"])
+        if "blocks_cached" in kv:
+            yield GaugeMetricFamily("tokenmill_prefix_cache_blocks", "KV blocks that hold a named prompt prefix "
+                                    "(held by a sequence or cached for the next prompt that begins the same way)",
+                                    value=kv["blocks_cached"])
+        prefix = now.get("prefix_cache")
+        if prefix is not None:
+            yield CounterMetricFamily("tokenmill_prefix_cache_queries", "tokens of the sequences started that were "
+                                      "looked up in the prefix cache", value=prefix["queried_tokens"])
+            yield CounterMetricFamily("tokenmill_prefix_cache_hits", "of those, tokens found there (not prefilled)",
+                                      value=prefix["hit_tokens"])
         yield CounterMetricFamily("tokenmill_preemptions", "sequences preempted, their KV memory freed to be "
                                   "recomputed later", value=now["preemptions"])
         yield CounterMetricFamily("tokenmill_suspensions", "sequences set aside for a higher class, their KV "

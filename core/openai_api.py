@@ -110,6 +110,8 @@ def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) ->
     params["stop"] = _stop_list(body)
     if _field(body, "watermark", "boolean"):
         params["watermark"] = True
+    if body.get("cache_salt") is not None:  # a top-level field, as vLLM takes it
+        params["cache_salt"] = body["cache_salt"]
     return params
 
 
@@ -156,6 +158,11 @@ class OpenAIJob:
             seed = request.sampling.seed
             jobs += [(request, None if seed is None else (seed + i) % 2**64) for i in range(self.n)]
         return jobs
+
+    def cached_tokens(self, results: list[FinalResult | None]) -> int:
+        """Prompt tokens served from the prefix cache, counted as the prompts are: once per prompt
+        (its first choice's), whatever ``n``."""
+        return sum(result.cached_tokens for result in results[:: self.n] if result is not None)
 
     def common(self, kind: str) -> dict[str, Any]:
         return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{self.id}", "object": kind,
@@ -283,9 +290,11 @@ def without_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_logprob(token: TokenInfo, top: list[TokenInfo]) -> dict[str, Any]:
@@ -316,7 +325,7 @@ def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str
                         "finish_reason": finish_reason(result, call is not None)})
     completion_tokens = sum(r.generated_tokens for r in results)
     return {**job.common("chat.completion"), "choices": choices,
-            "usage": usage_json(len(request.input_ids), completion_tokens)}
+            "usage": usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))}
 
 
 def completion_logprobs(tokens: list[TokenInfo], tops: list[list[TokenInfo]], start: int) -> dict[str, Any]:
@@ -347,7 +356,7 @@ def completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any
                         "logprobs": logprobs, "finish_reason": finish_reason(result)})
     prompt_tokens = sum(len(r.input_ids) for r in job.requests)
     return {**job.common("text_completion"), "choices": choices,
-            "usage": usage_json(prompt_tokens, sum(r.generated_tokens for r in results))}
+            "usage": usage_json(prompt_tokens, sum(r.generated_tokens for r in results), job.cached_tokens(results))}
 
 
 class StopHoldback:
@@ -489,12 +498,15 @@ class OpenAIStream:
         self.job = job
         self.choices = [ChoiceStream(job, i, chat) for i in range(len(job.requests) * job.n)]
         self.completion_tokens = 0
+        self.finals: list[FinalResult | None] = [None] * len(self.choices)
 
     def opening(self) -> list[dict[str, Any]]:
         return [chunk for choice in self.choices if (chunk := choice.opening()) is not None]
 
     def on_event(self, index: int, event: TokenEvent) -> list[dict[str, Any]]:
         self.completion_tokens += 1
+        if event.final is not None:
+            self.finals[index] = event.final
         chunks = self.choices[index].on_token(event)
         if self.job.include_usage:
             for chunk in chunks:
@@ -506,7 +518,8 @@ class OpenAIStream:
             return []
         prompt_tokens = sum(len(r.input_ids) for r in self.job.requests)
         kind = "chat.completion.chunk" if self.choices[0].chat else "text_completion"
-        return [{**self.job.common(kind), "choices": [], "usage": usage_json(prompt_tokens, self.completion_tokens)}]
+        usage = usage_json(prompt_tokens, self.completion_tokens, self.job.cached_tokens(self.finals))
+        return [{**self.job.common(kind), "choices": [], "usage": usage}]
 
 
 def served_model(state: Any) -> str:

@@ -61,6 +61,9 @@ class GenerationRequest:
     """The LoRA adapter the request asked for; None for the base model."""
     adapter: Any = None
     """That adapter's weights (a ``tokenmill.lora.Adapter``), pinned in memory while the request runs."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share cached prompt blocks (so one tenant's timings tell
+    nothing of another's prompts)."""
 
 
 @dataclass
@@ -95,6 +98,8 @@ class FinalResult:
     input_length: int
     queue_seconds: float
     inference_seconds: float
+    cached_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
 
     @property
     def generated_tokens(self) -> int:
@@ -133,6 +138,10 @@ class Sequence:
         self.num_computed = 0
         """Tokens whose keys and values the backend holds (while decoding, all but the newest);
         a preemption sets it back to 0."""
+        self.cached_tokens = 0
+        """Prompt tokens it took from the prefix cache when it first started."""
+        self.block_hashes: list[bytes] = []
+        """The names of its full blocks, as far as they were needed (see ``tokenmill.prefix``)."""
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []
@@ -168,6 +177,18 @@ class Sequence:
     def max_tokens(self) -> int:
         """Prompt plus the most tokens it may generate: what it can occupy in the batch."""
         return self.prompt_len + self.request.max_new_tokens
+
+    @property
+    def cache_namespace(self) -> str:
+        """What besides its tokens shapes its keys and values: the LoRA adapter and the cache salt."""
+        salt = self.request.cache_salt
+        return f"{self.request.adapter_id or ''}\0{'' if salt is None else salt}"
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt details need every prompt position's logits: computed once, on the first prefill
+        (not again after a preemption), and never taken from the prefix cache."""
+        return self.request.decoder_input_details and not self.prefill_tokens
 
     @property
     def last_token(self) -> int:

@@ -93,6 +93,8 @@ class ServerState:
         self.chosen: Chosen | None = None
         self.adapters: AdapterCache | None = None
         """The LoRA adapters (with --lora-adapters or --lora-cache-limit)."""
+        self.prefix_caching_off: str | None = None
+        """Once loaded: why prompts' computed prefixes are not reused, or None when they are."""
         self.vocab_size = 0
         self.in_flight = 0
         self.draining = False
@@ -111,6 +113,7 @@ class ServerState:
             threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
         self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
+        self.prefix_caching_off = started.prefix_caching_off
         adapters = started.adapters
         self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size,
                                    adapter_names=(lambda: adapters.names) if adapters is not None else None,
@@ -211,6 +214,8 @@ class ServerState:
             "lora": self.adapters.usage() if self.adapters is not None else None,
             "preemptions": engine.preemptions,
             "suspensions": engine.suspensions,
+            "prefix_cache": {"queried_tokens": engine.prefix_queried_tokens, "hit_tokens": engine.prefix_hit_tokens}
+            if engine.prefix_caching else None,
         }
 
     def take_slot(self) -> Slot:
@@ -310,6 +315,14 @@ class DisconnectWatch:
 
 
 # ---- JSON shapes (TGI's) --------------------------------------------------------------
+
+
+def per_prompt(requests: list[GenerationRequest], counts: list[int]) -> int:
+    """The sum of ``counts`` over the distinct requests (the choices of one prompt count once)."""
+    seen: dict[int, int] = {}
+    for request, count in zip(requests, counts):
+        seen.setdefault(id(request), count)
+    return sum(seen.values())
 
 
 def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
@@ -480,9 +493,11 @@ class Generation:
             request_id=record.request_id, inputs=request.inputs, parameters=request.parameters)
 
     def finished(self, record: RequestRecord, result: FinalResult | None, error: str | None = None,
-                 error_type: str | None = None, generated_tokens: int = 0) -> None:
+                 error_type: str | None = None, generated_tokens: int = 0, cached_tokens: int = 0) -> None:
         """The request ended: ``result`` (its best or first sequence's, as TGI reports ``best_of``) on
-        success, else the error and the ``generated_tokens`` it had produced."""
+        success, else the error and the ``generated_tokens`` it had produced; ``cached_tokens`` of its
+        prompts came from the prefix cache."""
+        record.cached_tokens = cached_tokens
         if result is not None:
             record.queue_seconds, record.inference_seconds = result.queue_seconds, result.inference_seconds
             record.finish_reason = result.finish_reason
@@ -515,7 +530,8 @@ class Generation:
             raise
         finally:
             slot.release()
-        self.finished(record, max(results, key=lambda r: r.logprob_sum()))
+        self.finished(record, max(results, key=lambda r: r.logprob_sum()),
+                      cached_tokens=per_prompt([request for request, _ in jobs], [r.cached_tokens for r in results]))
         return results
 
     async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
@@ -651,7 +667,9 @@ class Generation:
             run.slot.release()
             self.finished(run.record, None if error else first, error.message if error else None,
                           error.error_type if error else None,
-                          generated_tokens=sum(len(seq.generated_ids) for seq in run.seqs))
+                          generated_tokens=sum(len(seq.generated_ids) for seq in run.seqs),
+                          cached_tokens=per_prompt([seq.request for seq in run.seqs],
+                                                   [seq.cached_tokens for seq in run.seqs]))
 
 
 class GenerateRoute:
@@ -752,6 +770,21 @@ class AdaptersRoute:
                       "path": str(adapter.path)}
 
 
+class ResetPrefixCacheRoute:
+    """``POST /reset_prefix_cache`` (vLLM's route): drop every cached KV block that no sequence holds,
+    between two engine steps. Behind ``--api-key``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        engine = self.state.ready_engine()
+        loop = asyncio.get_running_loop()
+        dropped: asyncio.Future[int] = loop.create_future()
+        engine.reset_prefix_cache(lambda count: loop.call_soon_threadsafe(dropped.set_result, count))
+        resp.media = {"prefix_caching": self.state.prefix_caching_off is None, "dropped_blocks": await dropped}
+
+
 class HealthRoute:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -799,6 +832,8 @@ class InfoRoute:
             "scheduler": config.scheduler,
             "kv_allocator": plugin_name(state.chosen.kv_allocator) if state.chosen else config.kv_allocator,
             "block_size": state.chosen.block_size if state.chosen and state.chosen.backend.kv_layout == "paged" else None,
+            "prefix_caching": state.engine is not None and state.prefix_caching_off is None,
+            "prefix_caching_off_reason": state.prefix_caching_off,
             "kv": state.engine.runner.kv_usage() if state.engine else None,
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
             "ready": state.engine is not None and state.engine.healthy,
@@ -904,6 +939,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
     app.add_route("/adapters", AdaptersRoute(state))
+    app.add_route("/reset_prefix_cache", ResetPrefixCacheRoute(state))
     if config.enable_profiling:
         app.add_route("/debug/profile", ProfileRoute())
     errors = ErrorHandlers(state)

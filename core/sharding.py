@@ -21,7 +21,7 @@ import datetime
 import fnmatch
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +229,9 @@ class SequenceView:
     total_len: int
     last_token: int
     token_ids: list[int]
+    cache_namespace: str = ""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """A memo the shard's runner fills from ``token_ids`` (see ``tokenmill.prefix``)."""
 
     @property
     def pending_len(self) -> int:
@@ -236,7 +239,8 @@ class SequenceView:
 
     @classmethod
     def of(cls, seq: Any, with_tokens: bool) -> SequenceView:
-        return cls(seq.id, seq.num_computed, seq.total_len, seq.last_token, seq.token_ids if with_tokens else [])
+        return cls(seq.id, seq.num_computed, seq.total_len, seq.last_token, seq.token_ids if with_tokens else [],
+                   seq.cache_namespace if with_tokens else "")
 
 
 def fatal(reason: str) -> None:
@@ -270,6 +274,20 @@ class MirroredRunner:
             fatal(f"a sharded prefill failed on rank 0 ({out.prefill_error})")
         return out
 
+    def plan_prefill(self, seq: Any, chunk: int) -> None:
+        """Rank 0 plans first: a MemoryError there changes nothing, and the shards are not told."""
+        try:
+            self.inner.plan_prefill(seq, chunk)
+        except MemoryError:
+            raise
+        except BaseException as error:
+            fatal(f"planning a sharded prefill failed on rank 0 ({type(error).__name__}: {error})")
+        broadcast(("plan_prefill", SequenceView.of(seq, True), chunk))
+
+    def reset_prefix_cache(self) -> int:
+        broadcast(("reset_prefix_cache",))
+        return self.inner.reset_prefix_cache()
+
     def release(self, seqs: list[Any]) -> None:
         broadcast(("release", [SequenceView.of(s, False) for s in seqs]))
         self.inner.release(seqs)
@@ -290,6 +308,10 @@ def replay(runner: Any, message: tuple[Any, ...]) -> None:
         runner.release(message[1])
     elif kind == "reset":
         runner.reset()
+    elif kind == "plan_prefill":
+        runner.plan_prefill(*message[1:])
+    elif kind == "reset_prefix_cache":
+        runner.reset_prefix_cache()
 
 
 def run_shard(rank: int, world_size: int, config: Any) -> int:
@@ -325,6 +347,8 @@ def run_shard(rank: int, world_size: int, config: Any) -> int:
     store = chosen.kv_allocator.create(model.config, setup["kv_dtype"], device,  # type: ignore[attr-defined]
                                        setup["max_tokens"], chosen.block_size)
     runner = chosen.backend.create(model, store, chosen.attention)  # type: ignore[attr-defined]
+    if setup.get("prefix_caching"):
+        runner.enable_prefix_caching()
     log.info("shard %d ready: heads %s, MLP columns %s, %s backend", rank, shard.heads, shard.intermediate,
              chosen.backend.name)
     while True:

@@ -34,6 +34,8 @@ from tokenmill.quant_linears import read_quantization_config
 
 log = logging.getLogger(__name__)
 
+PREFIX_CACHING_TURNED_OFF = "turned off (--no-prefix-caching or PREFIX_CACHING=0)"
+
 
 @dataclass
 class Started:
@@ -44,6 +46,8 @@ class Started:
     """Rows of the model's input embeddings: token ids must stay below it."""
     adapters: AdapterCache | None = None
     """The LoRA adapters, when the server serves them."""
+    prefix_caching_off: str | None = None
+    """Why prompts' computed prefixes are not reused, or None when they are."""
 
 
 def _readers_of(pm: pluggy.PluginManager, method: str) -> list[str]:
@@ -121,12 +125,19 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     kv_store = chosen.kv_allocator.create(model_config, kv_dtype(config, loaded), loaded.device,  # type: ignore[attr-defined]
                                           config.max_batch_total_tokens, chosen.block_size)
     runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)  # type: ignore[attr-defined]
+    prefix_caching_off = prefix_caching_unavailable_reason(config, chosen, runner)
+    if prefix_caching_off is None:
+        runner.enable_prefix_caching()
+        log.info("prefix caching is on: prompts that begin the same way share their computed KV blocks")
+    else:
+        log.info("prefix caching is off: %s", prefix_caching_off)
     if sharded:
         runner = sharding.mirror_runner(runner, {
             "backend": chosen.backend.name, "attention": chosen.attention.name,
             "kv_allocator": chosen.kv_allocator.name, "block_size": chosen.block_size,
             "max_tokens": config.max_batch_total_tokens, "kv_dtype": kv_dtype(config, loaded),
-            "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels})
+            "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels,
+            "prefix_caching": prefix_caching_off is None})
     compiling = config.compile_model and _compile(config, loaded, runner)
     queue = new_queue(config, chosen, padded=not paged)
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
@@ -137,7 +148,16 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
             detail="compiling the forward (torch.compile)" if compiling else "")
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
-    return Started(engine, loaded, chosen, vocab_size, adapters)
+    return Started(engine, loaded, chosen, vocab_size, adapters, prefix_caching_off)
+
+
+def prefix_caching_unavailable_reason(config: Config, chosen: Chosen, runner: Any) -> str | None:
+    """Why this server does not reuse computed prompt prefixes, or None when it does."""
+    if not config.prefix_caching:
+        return PREFIX_CACHING_TURNED_OFF
+    if not hasattr(runner, "enable_prefix_caching"):
+        return f"the {chosen.backend.name} backend keeps no prefix cache (the paged backends do)"
+    return runner.prefix_caching_unavailable_reason()
 
 
 def new_queue(config: Config, chosen: Chosen, padded: bool) -> SchedulerQueue:
@@ -200,7 +220,9 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     warm_up(engine, config, stages, min(vocab_size, len(tokenizer)))
     log.info("ready: %s on %s (%s backend)", display_id, device, chosen.backend.name)
     loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done)
-    return Started(engine, loaded, chosen, vocab_size)
+    # Such an engine keeps its own prefix cache, turned on and off by the same flag (vLLM's does).
+    off = None if config.prefix_caching else PREFIX_CACHING_TURNED_OFF
+    return Started(engine, loaded, chosen, vocab_size, prefix_caching_off=off)
 
 
 def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int, detail: str = "") -> None:

@@ -31,6 +31,8 @@ class RequestRecord:
     inference_seconds: float = 0.0
     total_seconds: float = 0.0
     input_tokens: int = 0
+    cached_tokens: int = 0
+    """Of the prompt tokens, those whose keys and values came from the prefix cache."""
     generated_tokens: int = 0
     max_new_tokens: int = 0
     finish_reason: str | None = None
@@ -97,6 +99,7 @@ def log_request(record: RequestRecord) -> None:
         "inference_time": round(record.inference_seconds, 6),
         "time_per_token": round(record.time_per_token_seconds, 6),
         "input_tokens": record.input_tokens,
+        "cached_tokens": record.cached_tokens,
         "generated_tokens": record.generated_tokens,
         "parameters": record.parameters,
     }

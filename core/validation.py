@@ -189,6 +189,9 @@ def validate_generate(
         except GrammarError as error:
             message = str(error)
             raise ValidationError(message if message.startswith("`grammar") else f"`grammar`: {message}") from None
+    cache_salt = params.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValidationError(f"`cache_salt` must be a non-empty string, got {cache_salt!r}")
     priority = params.get("priority", "normal")
     if priority not in PRIORITY_CLASSES:
         raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")
@@ -236,5 +239,7 @@ def validate_generate(
         best_of=best_of or 1,
         priority=priority,
         grammar=grammar,
-        parameters=dict(params),
+        # The salt keeps tenants apart: it stays out of what hooks and the request log see.
+        parameters={name: value for name, value in params.items() if name != "cache_salt"},
+        cache_salt=cache_salt,
     )

@@ -48,8 +48,9 @@ def tiny_mistral(sliding_window: int = 6):
 
 def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = None, ignore_eos: bool = False,
                  backend: str = "transformers", block_size: int = 16, scheduler: str = "fifo",
-                 **limits: Any) -> Engine:
-    """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens.
+                 prefix_caching: bool = False, **limits: Any) -> Engine:
+    """An engine on the built-in plugins; ``ignore_eos`` runs every request to max_new_tokens;
+    ``prefix_caching`` turns the paged runner's prefix cache on (the server's default).
 
     The paged backend takes over the model's attention: give it a model of its own."""
     pm = pm or build_plugin_manager(autoload=False)
@@ -62,6 +63,8 @@ def build_engine(model: Any, tokenizer: Any, pm: pluggy.PluginManager | None = N
                                max_batch_size=limits.get("max_batch_size"), padded=not paged, **rules)
     store = chosen.kv_allocator.create(model.config, model.dtype, model.device, total, chosen.block_size)
     runner = chosen.backend.create(model, store, chosen.attention)
+    if prefix_caching:
+        runner.enable_prefix_caching()
     eos = set() if ignore_eos else eos_token_ids(model, tokenizer)
     return Engine(runner, chosen.scheduler.create(batch_limits), tokenizer, eos, prefill, pm,
                   stream_buffer_tokens=limits.get("stream_buffer_tokens", 64))

@@ -59,6 +59,7 @@ def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
                            "--backend", request.param, "--lora-adapters", listed, "--max-lora-rank", "16"],
                           tmp_path_factory.mktemp("lora"))
+    server.backend = request.param
     yield server
     server.stop()
 
@@ -102,6 +103,29 @@ def test_openai_model_names_the_adapter_and_v1_models_lists_them(lora_server, ex
     assert models[1:] == ["ad0", "ad1", "ad2"]
     assert completion["model"] == "ad1"
     assert completion["choices"][0]["text"] == tokenizer.decode(expected["ad1"], skip_special_tokens=True)
+
+
+def test_two_adapters_on_one_prompt_never_share_its_cached_blocks(lora_server, adapters, tiny_model_dir, tiny_model):
+    _, tokenizer = tiny_model
+    prompt = "Shared by every adapter. " + PROMPTS[6] * 2  # several blocks of its own
+    expected = {name: merged_greedy(tiny_model_dir, adapters[name] if name else None, tokenizer, prompt)
+                for name in (None, "ad0", "ad1")}
+    assert len({tuple(tokens) for tokens in expected.values()}) == 3
+
+    def complete(name: str | None) -> tuple[str, int]:
+        with lora_server.client() as client:
+            answer = client.post("/v1/completions", json={"model": name or "base", "prompt": prompt,
+                                                          "max_tokens": NEW_TOKENS, "temperature": 0}).json()
+        return answer["choices"][0]["text"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    order = [None, "ad0", "ad1", "ad0", None, "ad1"]
+    answers = [complete(name) for name in order]
+    for name, (text, _) in zip(order, answers):
+        assert text == tokenizer.decode(expected[name], skip_special_tokens=True), name
+    cached = [count for _, count in answers]
+    assert cached[:3] == [0, 0, 0]  # each adapter's first run: nothing of another's is reused
+    if lora_server.backend == "paged":
+        assert all(count > 0 for count in cached[3:])  # ... and its second takes its own blocks
 
 
 def test_an_unknown_adapter_is_a_422_that_lists_the_known_ones(lora_server):

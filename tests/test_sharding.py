@@ -75,6 +75,34 @@ def test_two_shards_give_the_greedy_tokens_of_one_through_both_backends(backend,
     assert "shard 0 of 2" in " ".join(s["detail"] for s in info["load_stages"])
 
 
+def test_two_shards_share_cached_prefixes_and_give_the_tokens_of_one_shard_without_a_cache(tiny_model_dir, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_prefix_cache import QUESTIONS, SYSTEM
+
+    prompts = [SYSTEM + question for question in QUESTIONS]
+
+    def complete(server, prompt: str) -> tuple[str, int]:
+        with server.client() as client:
+            answer = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                                                          "temperature": 0}).json()
+        return answer["choices"][0]["text"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    runs = {}
+    for shards, caching in (("1", "0"), ("2", "1")):
+        server = start_server([*shard_args(tiny_model_dir), "--backend", "paged", "--num-shard", shards], tmp_path,
+                              env={"PREFIX_CACHING": caching})
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:  # at once: they share the new prefix in one step
+                runs[shards] = list(pool.map(lambda prompt: complete(server, prompt), prompts))
+            runs[shards] += [complete(server, prompt) for prompt in prompts]  # then from the cache
+        finally:
+            server.stop()
+    assert [text for text, _ in runs["2"]] == [text for text, _ in runs["1"]]
+    assert all(cached == 0 for _, cached in runs["1"])
+    assert all(cached > 0 for _, cached in runs["2"][len(prompts):])
+
+
 def test_each_rank_holds_about_half_of_the_sliced_weights(tiny_model_dir):
     import torch.multiprocessing as mp
 

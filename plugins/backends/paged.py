@@ -28,9 +28,21 @@ from transformers import AttentionInterface
 
 import tokenmill
 from tokenmill.accelerators import flash_attn_unavailable_reason
-from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockPool, PagedStep, PrefillOutput, StepOutput
+from tokenmill.interfaces import (
+    NO_HIT,
+    AttentionKernel,
+    Backend,
+    BackendRunner,
+    BlockPool,
+    CachingBlockPool,
+    PagedStep,
+    PrefillOutput,
+    PrefixHit,
+    StepOutput,
+)
 from tokenmill.kv_memory import model_kv_shape
 from tokenmill.lora import adapter_rows
+from tokenmill.prefix import BlockChain, cacheable_blocks, full_block_hashes
 from tokenmill.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
@@ -99,6 +111,12 @@ class PagedRunner(BackendRunner):
         self.compiled: Any = None
         """The compiled forward once :meth:`compile_forward` ran; the next step compiles it."""
         self._compiled_ran = False
+        self.prefix_caching = False
+        """Set by :meth:`enable_prefix_caching`: full blocks are named and reused across sequences."""
+        self._chains: dict[int, BlockChain] = {}
+        """Per sequence holding blocks (with prefix caching): the names of the blocks it has filled."""
+        self._unconfirmed: list[int] = []
+        """Blocks named for the coming forward: forgotten again if it fails, since they were never computed."""
 
     def compile_unavailable_reason(self) -> str | None:
         """Why :meth:`compile_forward` cannot run here, or None."""
@@ -116,6 +134,19 @@ class PagedRunner(BackendRunner):
         the token count is left symbolic; the first step pays the compile (tens of seconds)."""
         self.compiled = torch.compile(self.model, dynamic=True, fullgraph=True)
 
+    def prefix_caching_unavailable_reason(self) -> str | None:
+        """Why :meth:`enable_prefix_caching` cannot run with this KV pool, or None."""
+        if not isinstance(self.pool, CachingBlockPool):
+            return f"the KV pool ({type(self.pool).__name__}) keeps no cached blocks"
+        return None
+
+    def enable_prefix_caching(self) -> None:
+        """Keep finished sequences' full blocks and let new prompts that begin the same way take them."""
+        reason = self.prefix_caching_unavailable_reason()
+        if reason:
+            raise ValueError(reason)
+        self.prefix_caching = True
+
     @property
     def kv_block_size(self) -> int:
         return self.pool.block_size
@@ -125,7 +156,62 @@ class PagedRunner(BackendRunner):
 
     def kv_usage(self) -> dict[str, int]:
         used = self.pool.num_blocks - self.pool.free_blocks()
-        return {"bytes": used * self.pool.bytes_per_block(), "blocks_used": used, "blocks_total": self.pool.num_blocks}
+        usage = {"bytes": used * self.pool.bytes_per_block(), "blocks_used": used, "blocks_total": self.pool.num_blocks}
+        if self.prefix_caching:
+            usage["blocks_cached"] = self.pool.cached_blocks()  # type: ignore[attr-defined]
+        return usage
+
+    # ---- prefix caching (engine thread; the pool is a CachingBlockPool) ----------------------
+
+    def prefix_hit(self, seq: Sequence, planned: frozenset[bytes] = frozenset()) -> PrefixHit:
+        if not self.prefix_caching or seq.num_computed or seq.wants_prompt_logits:
+            return NO_HIT
+        block_size = self.pool.block_size
+        hashes = full_block_hashes(seq, block_size, cacheable_blocks(seq.total_len, block_size))
+        pool: CachingBlockPool = self.pool  # type: ignore[assignment]
+        blocks = pool.lookup(hashes)
+        count = len(blocks)
+        while count < len(hashes) and hashes[count] in planned:
+            count += 1
+        return PrefixHit(count * block_size, pool.idle_among(blocks))
+
+    def plan_prefill(self, seq: Sequence, chunk: int) -> None:
+        if self._chains.get(seq.id) is None and not self.pool.blocks_of(seq.id):
+            self._take_cached(seq)
+        self._reserve(seq, seq.total_len)
+        self._fill_chain(seq, seq.num_computed + chunk)
+
+    def _take_cached(self, seq: Sequence) -> None:
+        """Start a sequence that holds no blocks: its first ``num_computed`` tokens (what :meth:`prefix_hit`
+        found) from cached blocks. Nothing is taken unless its whole context then fits the pool."""
+        pool: CachingBlockPool = self.pool  # type: ignore[assignment]
+        block_size = pool.block_size
+        hashes = full_block_hashes(seq, block_size, seq.num_computed // block_size)
+        blocks = pool.lookup(hashes)
+        if len(blocks) < len(hashes):
+            raise RuntimeError(f"sequence {seq.id}: {len(hashes) - len(blocks)} of its cached blocks are gone")
+        new_blocks = -(-seq.total_len // block_size) - len(blocks)
+        if new_blocks + pool.idle_among(blocks) > pool.free_blocks():
+            raise MemoryError(f"the KV pool has no room for sequence {seq.id} ({seq.total_len} tokens)")
+        if blocks:
+            pool.share(seq.id, blocks)
+        self._chains[seq.id] = BlockChain(seq.cache_namespace, block_size, hashes)
+
+    def _fill_chain(self, seq: Sequence, computed: int) -> None:
+        """Name the blocks that are full once the sequence's first ``computed`` tokens are in the cache."""
+        chain = self._chains.get(seq.id)
+        if chain is None or chain.tokens >= computed:
+            return
+        start = chain.tokens
+        # A decoding sequence passes only its newest token (a shard's view of it carries no others).
+        tokens = [seq.last_token] if start == seq.total_len - 1 else seq.token_ids[start:computed]
+        table = self.pool.blocks_of(seq.id)
+        for index, block_hash in chain.extend(tokens):
+            if self.pool.name(table[index], block_hash):  # type: ignore[attr-defined]
+                self._unconfirmed.append(table[index])
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.drop_cached() if self.prefix_caching else 0  # type: ignore[attr-defined]
 
     def _blocks_short(self, seq: Sequence, tokens: int) -> int:
         return max(0, -(-tokens // self.pool.block_size) - len(self.pool.blocks_of(seq.id)))
@@ -136,9 +222,16 @@ class PagedRunner(BackendRunner):
     def release(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self.pool.free(seq.id)
+            self._chains.pop(seq.id, None)
 
     def reset(self) -> None:
+        """Forget every sequence, and every cached block: after a step failed half-way, what they hold
+        cannot be trusted."""
         self.pool.free_all()
+        self._chains.clear()
+        self._unconfirmed = []
+        if isinstance(self.pool, CachingBlockPool):
+            self.pool.drop_cached()
 
     def _reserve(self, seq: Sequence, tokens: int) -> None:
         if not self.pool.reserve(seq.id, tokens):
@@ -148,8 +241,28 @@ class PagedRunner(BackendRunner):
     def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
              decode: list[Sequence]) -> StepOutput:
         """Prefill chunks and decode tokens packed into one row: one forward pass for the whole step."""
+        try:
+            out = self._step(prefill, chunks, want_prompt_logits, decode)
+        except BaseException:
+            self._forget_unconfirmed()
+            raise
+        self._unconfirmed = []
+        return out
+
+    def _forget_unconfirmed(self) -> None:
+        for block in self._unconfirmed:
+            self.pool.unname(block)  # type: ignore[attr-defined]
+        self._unconfirmed = []
+
+    def _step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
+              decode: list[Sequence]) -> StepOutput:
         for seq in prefill + decode:
             self._reserve(seq, seq.total_len)  # a prompt's whole context at once: later chunks never wait
+        if self.prefix_caching:
+            for seq, chunk in zip(prefill, chunks):
+                self._fill_chain(seq, seq.num_computed + chunk)
+            for seq in decode:
+                self._fill_chain(seq, seq.total_len)
         starts = [s.num_computed for s in prefill] + [s.total_len - 1 for s in decode]
         lengths = list(chunks) + [1] * len(decode)
         step, input_ids, positions = self._pack(prefill + decode, starts, lengths)

@@ -1,25 +1,28 @@
 """The ``paged`` KV allocator: one pool of fixed-size blocks per layer, shared by all sequences.
 
-A sequence owns a block table (its blocks in order); blocks come off a free list
-as it grows and go back the moment it finishes, is cancelled or is preempted.
-Each block has a reference count, so that a later prefix cache can let several
-sequences hold one block; it returns to the free list when the count drops to 0. Block 0 is never handed
-out: it stays zeroed, so padded reads in a kernel see zeros, not garbage.
+A sequence owns a block table (its blocks in order); blocks come off a free list as it
+grows. Each block has a reference count, so that several sequences can hold one block (a
+shared prompt prefix). When its last holder lets go, a block returns to the free list, or,
+if it bears a name (prefix caching: the hash of its contents), stays *cached*: unreferenced,
+in least recently used order, ready for the next sequence whose prompt begins the same way.
+Cached blocks count as free; once the free list is empty, the least recently used one is
+evicted. Block 0 is never handed out: it stays zeroed, so padded reads in a kernel see
+zeros, not garbage.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
 
 import tokenmill
-from tokenmill.interfaces import BlockPool, KVAllocator
+from tokenmill.interfaces import BlockPool, CachingBlockPool, KVAllocator
 from tokenmill.kv_memory import model_kv_shape
 
 
-class PagedPool(BlockPool):
+class PagedPool(CachingBlockPool):
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
@@ -29,16 +32,20 @@ class PagedPool(BlockPool):
         # pool costs no RAM. Each block is zeroed when handed out (see reserve).
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self._zero(torch.tensor([0], device=device))
+        self._zero([0])
         self.free_list: deque[int] = deque(range(1, num_blocks + 1))
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        """Named blocks no sequence holds, least recently used first."""
         self.ref_counts = [0] * (num_blocks + 1)
         self.tables: dict[int, list[int]] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
     def free_blocks(self) -> int:
-        return len(self.free_list)
+        return len(self.free_list) + len(self.cached)
 
     def blocks_of(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
@@ -46,29 +53,42 @@ class PagedPool(BlockPool):
     def reserve(self, seq_id: int, tokens: int) -> bool:
         table = self.tables.setdefault(seq_id, [])
         missing = -(-tokens // self.block_size) - len(table)
-        if missing > len(self.free_list):
+        if missing > self.free_blocks():
             if not table:
                 del self.tables[seq_id]
             return False
-        handed_out = [self.free_list.popleft() for _ in range(max(0, missing))]
-        for block in handed_out:
-            self.ref_counts[block] = 1
+        handed_out = [self._take_block() for _ in range(max(0, missing))]
         if handed_out:
             # Kernels read whole blocks and mask the positions not yet written: those must hold
             # zeros, never stale bits that could be NaN.
-            self._zero(torch.tensor(handed_out, device=self.keys[0].device if self.keys else None))
+            self._zero(handed_out)
             table.extend(handed_out)
         return True
 
-    def _zero(self, blocks: torch.Tensor) -> None:
+    def _take_block(self) -> int:
+        """A free block, else the least recently used cached one, its name forgotten."""
+        if self.free_list:
+            block = self.free_list.popleft()
+        else:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(block)]
+        self.ref_counts[block] = 1
+        return block
+
+    def _zero(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.keys[0].device if self.keys else None)
         for tensor in self.keys + self.values:
-            tensor.index_fill_(0, blocks, 0)
+            tensor.index_fill_(0, index, 0)
 
     def free(self, seq_id: int) -> None:
-        for block in self.tables.pop(seq_id, []):
+        # Last block first: a sequence's tail is the part least likely to be shared, so it is evicted first.
+        for block in reversed(self.tables.pop(seq_id, [])):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_list.append(block)
+                if block in self.hash_of:
+                    self.cached[block] = None
+                else:
+                    self.free_list.append(block)
 
     def free_all(self) -> None:
         for seq_id in list(self.tables):
@@ -80,11 +100,59 @@ class PagedPool(BlockPool):
             return 0
         return 2 * len(self.keys) * tensor[0].nelement() * tensor.element_size()
 
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        found = []
+        for block_hash in hashes:
+            block = self.by_hash.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def idle_among(self, blocks: list[int]) -> int:
+        return sum(1 for block in blocks if self.ref_counts[block] == 0)
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        assert not self.tables.get(seq_id), "a sequence takes cached blocks only before it holds any"
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.cached[block]
+            self.ref_counts[block] += 1
+        self.tables[seq_id] = list(blocks)
+
+    def name(self, block: int, block_hash: bytes) -> bool:
+        if block_hash in self.by_hash or block in self.hash_of:
+            return False
+        self.by_hash[block_hash] = block
+        self.hash_of[block] = block_hash
+        return True
+
+    def unname(self, block: int) -> None:
+        block_hash = self.hash_of.pop(block, None)
+        if block_hash is None:
+            return
+        del self.by_hash[block_hash]
+        if block in self.cached:
+            del self.cached[block]
+            self.free_list.append(block)
+
+    def drop_cached(self) -> int:
+        dropped = list(self.cached)
+        for block in dropped:
+            self.unname(block)
+        return len(dropped)
+
+    def cached_blocks(self) -> int:
+        return len(self.hash_of)
+
 
 class PagedKVAllocator(KVAllocator):
     name = "paged"
     layout = "paged"
-    description = "fixed-size blocks per layer with a free list, block tables and reference counts"
+    description = ("fixed-size blocks per layer with a free list, block tables and reference counts; "
+                   "finished sequences' full blocks stay cached for prompts that begin the same way")
 
     def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
                block_size: int) -> BlockPool:

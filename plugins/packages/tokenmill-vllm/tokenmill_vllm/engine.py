@@ -182,6 +182,15 @@ class VllmRunner:
         return self.stats.usage_dict()
 
 
+def vllm_prompt(seq: Sequence) -> dict[str, Any]:
+    """The sequence's prompt as vLLM takes it: token ids, and the request's cache salt, if any."""
+    prompt: dict[str, Any] = {"prompt_token_ids": seq.prompt_ids}
+    salt = getattr(seq.request, "cache_salt", None)
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
 def request_id(seq: Sequence) -> str:
     return str(seq.id)
 
@@ -240,7 +249,7 @@ class VllmEngine(Engine):
                                  "(tokenmill_logits_processors)")
                 continue
             try:
-                self.llm.add_request(request_id(seq), {"prompt_token_ids": seq.prompt_ids}, sampling_params(seq))
+                self.llm.add_request(request_id(seq), vllm_prompt(seq), sampling_params(seq))
             except Exception as error:  # noqa: BLE001 - vLLM refuses this request only, unless it has died
                 if is_dead(error):  # it waits again and ends with the rest, as unhealthy
                     self.queue.requeue(seq)
@@ -295,6 +304,11 @@ class VllmEngine(Engine):
         for seq in seqs:
             self.by_request_id.pop(request_id(seq), None)
 
+    def drop_cached_prefixes(self) -> int:
+        """vLLM resets its whole prefix cache at once and does not count blocks: 0 when it refused
+        (some blocks are in use), else 1."""
+        return int(bool(self.llm.reset_prefix_cache()))
+
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)
         shutdown = getattr(getattr(self.llm, "engine_core", None), "shutdown", None)
@@ -316,6 +330,7 @@ def engine_arguments(setup: EngineSetup) -> dict[str, Any]:
         "structured_outputs_config": {"backend": "guidance"},  # tokenmill's grammars are llguidance's
         "logprobs_mode": "processed_logprobs",  # after penalties and warpers, as tokenmill's sampler reports them
         "max_logprobs": max(20, config.max_top_n_tokens),
+        "enable_prefix_caching": getattr(config, "prefix_caching", True),
     }
     if config.max_batch_size:
         arguments["max_num_seqs"] = config.max_batch_size
