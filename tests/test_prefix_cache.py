@@ -240,6 +240,23 @@ def test_prompts_sharing_a_prefix_share_its_whole_blocks(fresh_model, tiny_model
     assert_pool_at_rest(engine)
 
 
+def test_a_long_prompt_after_a_short_cached_prefix_gives_the_tokens_of_generate(fresh_model, tiny_model):
+    from tokenmill_plugins.attention.torch_kernels import CAUSAL_PADDING_RATIO
+
+    model, tokenizer = tiny_model
+    head = SYSTEM[:120]
+    long = head + " " + PROMPTS[6] * 15
+    requests = requests_of(tokenizer, [head, long])
+    cached_blocks = (len(requests[0].input_ids) - 1) // 16
+    uncached = len(requests[1].input_ids) - 16 * cached_blocks
+    assert cached_blocks >= 1 and uncached >= CAUSAL_PADDING_RATIO * 16 * cached_blocks
+    plain, cached, engine = run_both(fresh_model, tokenizer, requests)
+    assert cached[1].final.cached_tokens == 16 * cached_blocks  # its rest runs as causal attention, padded
+    assert [s.token_ids for s in cached] == [s.token_ids for s in plain]
+    assert cached[1].token_ids == reference_greedy(model, tokenizer, long, 8)
+    assert_pool_at_rest(engine)
+
+
 def test_requests_admitted_in_one_step_share_a_new_prefix_and_prefill_it_once(fresh_model, tiny_model):
     model, tokenizer = tiny_model
     prompts = [SYSTEM + question for question in QUESTIONS]

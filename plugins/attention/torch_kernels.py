@@ -22,6 +22,8 @@ def _group_plan(step: PagedStep, rows: list[int], sliding_window: int | None) ->
     positions) padded to the group's most blocks. Padding blocks are block 0, which
     the pool keeps zeroed; positions past a sequence's context are masked out. A whole
     prompt prefilled at once needs no mask: plain causal attention skips half the work.
+    So does a prompt after a short cached prefix, with a dummy query row for each cached
+    position (see :data:`CAUSAL_PADDING_RATIO`).
     """
     device = step.slot_mapping.device
     block_size = step.pool.block_size
@@ -38,9 +40,13 @@ def _group_plan(step: PagedStep, rows: list[int], sliding_window: int | None) ->
     query_positions = context[:, None] - lengths[:, None] + offsets  # absolute position of each query
     shape = (len(rows), max(query_lens), widest * block_size)
     blocks = step.block_tables.index_select(0, index)[:, :widest].flatten().long()
-    if len(rows) == 1 and query_lens[0] == step.context_lens[rows[0]] and not sliding_window:
-        return {"blocks": blocks, "query_index": query_index.flatten(), "valid_rows": offsets,
-                "tokens": query_index.flatten(), "mask": None, "shape": shape}
+    before = step.context_lens[rows[0]] - query_lens[0]  # context positions that precede the queries
+    if len(rows) == 1 and before * CAUSAL_PADDING_RATIO <= query_lens[0] and not sliding_window:
+        # Causal from the first position: a dummy row (any query) for each earlier position, output dropped.
+        tokens = query_index.flatten()
+        return {"blocks": blocks, "query_index": torch.cat([tokens[:1].expand(before), tokens]),
+                "valid_rows": torch.arange(before, before + query_lens[0], device=device), "tokens": tokens,
+                "mask": None, "shape": (1, before + query_lens[0], shape[2])}
     visible = (positions[None, None, :] <= query_positions[:, :, None]) & (positions < context[:, None])[:, None, :]
     if sliding_window:
         visible &= positions[None, None, :] > query_positions[:, :, None] - sliding_window
@@ -55,6 +61,12 @@ def _group_plan(step: PagedStep, rows: list[int], sliding_window: int | None) ->
         "shape": shape,
     }
 
+
+CAUSAL_PADDING_RATIO = 16
+"""A prefill chunk after ``n`` context positions (a cached prefix) runs as plain causal attention over
+``n`` dummy query rows and its own when it is at least this × ``n`` long, else with a mask over its own
+rows. On 2 CPU cores, SmolLM2's shapes: 16 cached and 1,000 new tokens take 9.9 ms a layer padded and
+13.8 ms masked; 32 and 500 take the same either way; 300 and 300, 4.1 ms padded and 2.6 ms masked."""
 
 GROUP_OVERHEAD_BLOCKS = 48
 """What one more attention call per layer costs, in blocks gathered: the point at which
