@@ -217,10 +217,13 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "grammar", "quant", "shards", "lora"], default="quick",
+    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora"],
+                        default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
                         + "; mixed: long and short requests under the fifo and priority schedulers"
+                        + "; multiturn: chats resending a shared system prompt and their history, with and without "
+                          "prefix caches (tokenmill and vLLM)"
                         + "; grammar: the cost per token of a JSON-schema constraint, on the engine"
                         + "; quant: each quantizer's memory, speed and quality on SmolLM2, on the engine"
                         + "; shards: --num-shard 1 against 2, memory per rank and tokens/s"
@@ -259,12 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         from bench import lora
 
         return lora.main(rest)
-    if args.scenario == "mixed":
-        from bench import mixed
+    if args.scenario in ("mixed", "multiturn"):
+        from bench import mixed, multiturn
 
         raw = list(argv if argv is not None else sys.argv[1:])
-        raw.remove("mixed")
-        return mixed.main(raw)  # its own flags (--no-write, --out) as it defines them
+        raw.remove(args.scenario)
+        own = mixed if args.scenario == "mixed" else multiturn
+        return own.main(raw)  # its own flags (--no-write, --out) as it defines them
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     scenario = SCENARIOS[args.scenario]

@@ -85,8 +85,9 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
 
 
 class PhaseTimes:
-    """Seconds the paged runner spends packing a step's inputs (``_pack``) and in the model's forward
-    (``_forward``), summed until :meth:`take`; nothing for a runner without both methods."""
+    """Seconds the paged runner spends packing a step's inputs (``_pack``), in the model's forward
+    (``_forward``) and, with prefix caching, naming the blocks its sequences fill (``_fill_chain``), summed
+    until :meth:`take`; nothing for a runner without the first two methods."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
@@ -95,7 +96,10 @@ class PhaseTimes:
         """What each wrapped method's name held on the runner itself before (None: nothing, the class's method)."""
         if not all(hasattr(runner, method) for method in ("_pack", "_forward")):
             return
-        for name, method in (("pack", "_pack"), ("forward", "_forward")):
+        phases = [("pack", "_pack"), ("forward", "_forward")]
+        if getattr(runner, "prefix_caching", False):
+            phases.append(("prefix", "_fill_chain"))
+        for name, method in phases:
             self.spent[name] = 0.0
             self.replaced[method] = runner.__dict__.get(method)
             setattr(runner, method, self._timed(name, getattr(runner, method)))
@@ -148,10 +152,13 @@ def main() -> None:
                         help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
     parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
                         help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: reuse computed prompt prefixes (paged backends)")
     parser.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
     args = parser.parse_args()
     config = Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,
+                    prefix_caching=args.prefix_caching,
                     max_batch_prefill_tokens=args.max_batch_prefill_tokens, waiting_served_ratio=args.waiting_served_ratio)
     started = start_ignoring_eos(config)  # resolves the limits left unset in config
     tokenizer = started.loaded.tokenizer
@@ -164,9 +171,11 @@ def main() -> None:
           f"with prefill took {result['prefill_s']:.1f} s; {result['decode_steps']} decode steps, median "
           f"{result['decode_ms_median']:.0f} ms")
     if "decode_forward_ms_median" in result:
+        prefix = result.get("decode_prefix_ms_median")
         print(f"decode steps, medians: packing the inputs {result['decode_pack_ms_median']:.1f} ms, the model's "
-              f"forward {result['decode_forward_ms_median']:.1f} ms, the rest (sampling, stop checks, "
-              f"detokenization, scheduling) {result['decode_rest_ms_median']:.1f} ms")
+              f"forward {result['decode_forward_ms_median']:.1f} ms, "
+              + (f"naming full blocks for the prefix cache {prefix:.2f} ms, " if prefix is not None else "")
+              + f"the rest (sampling, stop checks, detokenization, scheduling) {result['decode_rest_ms_median']:.1f} ms")
 
 
 if __name__ == "__main__":

