@@ -3,13 +3,14 @@
 ``--conversations`` clients (default 16) hold a conversation each, all at once: the same
 ~600-token system prompt (a document of the prompt set, cut to ``--system-tokens``), then
 ``--turns`` user questions (default 4), each sent with the whole history so far, the
-assistant's earlier answers included. Every answer is greedy and ``--max-tokens`` long (48),
-streamed from ``/v1/chat/completions``. The systems run one at a time on the same
+assistant's earlier answers included. Every answer is greedy, at most ``--max-tokens`` (48)
+long, streamed from ``/v1/chat/completions``. The systems run one at a time on the same
 conversations: tokenmill and vLLM's CPU server, each with its prefix cache (their default)
-and without it. Reported: wall time, output tokens/s, time to first token (p50) per turn,
-and the share of prompt tokens each server found in its prefix cache (its own counters).
+and without it, ``--repeats`` times in turn, each run on a newly started server. Reported,
+for each system's median run: wall time, output tokens/s, time to first token (p50) per
+turn, and the share of prompt tokens the server found in its prefix cache (its own counters).
 
-    python -m bench multiturn [--conversations 16] [--turns 4] [--systems ...] [--no-write]
+    python -m bench multiturn [--conversations 16] [--turns 4] [--repeats 3] [--systems ...] [--no-write]
 """
 
 from __future__ import annotations
@@ -153,7 +154,10 @@ def cache_counters(url: str, kind: str) -> tuple[float, float]:
     return found[queries], found[hits]
 
 
-def bench(system: peers.System, checkpoint: peers.Checkpoint, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench(system: peers.System, checkpoint: peers.Checkpoint, prompt: str, args: argparse.Namespace,
+          repeat: int) -> dict[str, Any]:
+    """One run of the load on a server of its own, with a system prompt of its own (nothing is cached
+    from another run)."""
     missing = peers.missing_reason(system, checkpoint, peers.DEFAULT_PEERS_DIR)
     if missing:
         print(f"skip {system.name}: {missing}", flush=True)
@@ -166,17 +170,31 @@ def bench(system: peers.System, checkpoint: peers.Checkpoint, prompt: str, args:
         warm = Conversation(-1, [{"role": "system", "content": "Warm up."}])
         asyncio.run(_one(server.url, model, warm))  # a short unrelated request: nothing of the load is cached
         queried, found = cache_counters(server.url, kind)
-        talks, wall = asyncio.run(converse(server.url, model, prompt, args.conversations, args.turns, args.max_tokens))
+        talks, wall = asyncio.run(converse(server.url, model, f"(Session {repeat}) {prompt}", args.conversations,
+                                           args.turns, args.max_tokens))
         queried_after, found_after = cache_counters(server.url, kind)
+    return summary(system, talks, wall, queried_after - queried, found_after - found, args.turns)
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall time, with every run's wall time beside it."""
+    if any("skipped" in run for run in runs):
+        return runs[0]
+    middle = sorted(runs, key=lambda run: run["wall_s"])[len(runs) // 2]
+    return {**middle, "walls_s": [run["wall_s"] for run in runs]}
+
+
+def summary(system: peers.System, talks: list[Conversation], wall: float, looked_up: float, found: float,
+            turns_each: int) -> dict[str, Any]:
+    """One run of the load: what the section's table shows."""
     turns = [turn for talk in talks for turn in talk.turns]
     errors = list(dict.fromkeys(t.error for t in turns if t.error))[:3]
     tokens = sum(t.tokens for t in turns if not t.error)
     ttft = {str(index): percentile([t.ttft for t in turns if t.index == index and t.ttft is not None], 50)
-            for index in range(1, args.turns + 1)}
-    looked_up = queried_after - queried
+            for index in range(1, turns_each + 1)}
     result = {"note": system.note, "wall_s": wall, "tokens_per_s": tokens / wall, "output_tokens": tokens,
               "turns_ok": sum(1 for t in turns if not t.error), "turns": len(turns), "errors": errors,
-              "ttft_p50_by_turn": ttft, "cache_hit_rate": (found_after - found) / looked_up if looked_up else 0.0,
+              "ttft_p50_by_turn": ttft, "cache_hit_rate": found / looked_up if looked_up else 0.0,
               "latency_p50": percentile([t.latency for t in turns if t.latency is not None], 50)}
     print(f"{system.name}: {wall:.1f} s, {result['tokens_per_s']:.1f} tok/s, TTFT p50 by turn "
           f"{', '.join(f'{v:.2f}' for v in ttft.values())} s, cache hit rate {100 * result['cache_hit_rate']:.0f} %"
@@ -195,18 +213,22 @@ def render(run: dict[str, Any], chart: str | None) -> str:
     lines = ["<!-- bench:multiturn:begin -->", f"## Scenario `multiturn` ({run['date']})", "",
              f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct fp32, {settings['conversations']} "
              f"conversations at once, each {turns} turns; one shared system prompt of {settings['system_tokens']} "
-             f"tokens, every turn resending the whole history; greedy, {settings['max_tokens']} tokens per answer, "
-             "streamed from `/v1/chat/completions`. The cache hit rate is each server's own count of prompt tokens "
-             "found in its prefix cache over those it looked up.", "",
-             "| system | wall s | output tok/s | " + " | ".join(f"TTFT p50 turn {i} s" for i in range(1, turns + 1))
-             + " | cache hit rate | turns ok |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in range(turns)) + " | --- | --- |"]
+             f"tokens, every turn resending the whole history; greedy, at most {settings['max_tokens']} tokens per answer "
+             "(an answer may end sooner, at its end-of-sequence token), "
+             f"streamed from `/v1/chat/completions`. Each system ran the load {settings.get('repeats', 1)} times, each "
+             "time on a newly started server with a system prompt of its own, the systems taking turns; the row is "
+             "its median run, and `all runs` lists every run's wall time. The cache hit rate is each server's own count of prompt tokens found in its prefix cache over "
+             "those it looked up.", "",
+             "| system | wall s | all runs s | output tok/s | "
+             + " | ".join(f"TTFT p50 turn {i} s" for i in range(1, turns + 1)) + " | cache hit rate | turns ok |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(turns)) + " | --- | --- |"]
     for name, result in results.items():
         if "skipped" in result:
             lines.append(f"| {name} | skipped: {result['skipped']} |")
             continue
         ttft = " | ".join(f"{result['ttft_p50_by_turn'][str(i)]:.2f}" for i in range(1, turns + 1))
-        lines.append(f"| {name} | {result['wall_s']:.1f} | {result['tokens_per_s']:.1f} | {ttft} | "
+        walls = ", ".join(f"{wall:.1f}" for wall in result.get("walls_s", [result["wall_s"]]))
+        lines.append(f"| {name} | {result['wall_s']:.1f} | {walls} | {result['tokens_per_s']:.1f} | {ttft} | "
                      f"{100 * result['cache_hit_rate']:.0f} % | {result['turns_ok']}/{result['turns']} |")
     ours, peer = results.get("tokenmill-paged", {}), results.get("vllm-cpu", {})
     if "wall_s" in ours and "wall_s" in peer:
@@ -264,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--system-tokens", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per system, each on a server of its own; the table shows the median one")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
     parser.add_argument("--no-write", action="store_true")
@@ -273,8 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "command": "python -m bench multiturn " + " ".join(argv if argv is not None else sys.argv[1:]),
            "settings": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
-                        "system_tokens": args.system_tokens},
-           "results": {name: bench(SYSTEMS[name], checkpoint, prompt, args) for name in args.systems}}
+                        "system_tokens": args.system_tokens, "repeats": args.repeats},
+           "results": {}}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+    for repeat in range(args.repeats):  # the systems in turn, so that a slow spell of the machine hits them all
+        for name in args.systems:
+            runs[name].append(bench(SYSTEMS[name], checkpoint, prompt, args, repeat))
+    run["results"] = {name: median_run(found) for name, found in runs.items()}
     if args.no_write:
         print(render(run, None))
         return

@@ -299,3 +299,46 @@ def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_th
     for out in outputs:
         torch.testing.assert_close(out, outputs[-1], atol=1e-4, rtol=1e-4)
     assert decode_attention.median_ms(runs["sdpa"], repeats=2) > 0
+
+
+def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_counters(tiny_model_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    from bench import multiturn
+    from conftest import start_server
+
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "1024",
+                           "--backend", "paged"], tmp_path)
+    try:
+        before = multiturn.cache_counters(server.url, "tokenmill")
+        talks, wall = asyncio.run(multiturn.converse(server.url, "tiny", "You are a tiny model. " * 8, 3, 3, 4))
+        queried, found = (after - earlier for after, earlier in zip(multiturn.cache_counters(server.url, "tokenmill"),
+                                                                   before))
+    finally:
+        server.stop()
+    assert wall > 0 and queried > found > 0  # the shared system prompt and every resent history
+    for talk in talks:
+        assert [turn.index for turn in talk.turns] == [1, 2, 3] and not any(turn.error for turn in talk.turns)
+        assert [m["role"] for m in talk.messages] == ["system"] + ["user", "assistant"] * 3
+        assert all(turn.ttft is not None and turn.tokens > 0 for turn in talk.turns)
+    result = multiturn.summary(multiturn.SYSTEMS["tokenmill-paged"], talks, wall, queried, found, 3)
+    assert result["turns_ok"] == 9 and 0 < result["cache_hit_rate"] < 1
+    run = {"date": "today", "machine": "here", "command": "python -m bench multiturn", "results": {
+        "tokenmill-paged": multiturn.median_run([result]), "vllm-cpu": {**result, "wall_s": 2 * result["wall_s"]}},
+        "settings": {"conversations": 3, "turns": 3, "max_tokens": 4, "system_tokens": 40, "repeats": 1}}
+    section = multiturn.render(run, "results/multiturn.png")
+    assert "| tokenmill-paged |" in section and "**0.50×** vLLM's" in section
+    assert multiturn.plot(run, tmp_path / "multiturn.png") and (tmp_path / "multiturn.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_engine_side_multiturn_load_splits_its_steps(tiny_model_dir: Path) -> None:
+    from bench import multiturn_steps
+    from tokenmill.config import Config
+    from tokenmill.loading import Stages
+    from tokenmill.plugins import build_plugin_manager
+    from tokenmill.startup import start_engine
+
+    started = start_engine(Config(model_id=str(tiny_model_dir), backend="paged", compile_model=False),
+                           build_plugin_manager(autoload=False), Stages())
+    result = multiturn_steps.converse(started.engine, started.loaded.tokenizer, "You are a tiny model. " * 8, 3, 2, 4)
+    assert result["prefill"] and result["decode"] and "prefix" in result["decode_phases_ms"]
+    assert started.engine.prefix_hit_tokens > 0 and started.engine.batch_size == 0
