@@ -20,7 +20,7 @@ from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 def greedy_tokens(dtype: str | None, prompts: list[list[dict[str, str]]], new_tokens: int,
                   model_id: str | None) -> list[list[int]]:
     from tokenmill.config import Config
-    from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams, TokenEvent
 
     # End-of-sequence ignored: every prompt runs to new_tokens, so the lists compare position by position.
     started = start_ignoring_eos(Config(model_id=model_id, backend="paged", dtype=dtype))
@@ -41,7 +41,7 @@ def generate_tokens(dtype: str, prompts: list[list[dict[str, str]]], new_tokens:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     path = converted_gguf(default_gguf())
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -64,8 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.cpu_linears import pack_linears
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.cpu_linears import pack_linears
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     checkpoint = converted_gguf(default_gguf())
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from tokenmill import native_kernels
+from tokenmill.kernels import native as native_kernels
 from tokenmill.interfaces import PagedStep
 from tokenmill_plugins.attention.torch_kernels import SdpaAttention
 from tokenmill_plugins.backends.paged import padded_block_tables

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_helpers import Collector, build_engine  # noqa: E402
 
-from tokenmill.plugins import PluginError, build_plugin_manager, choose_all  # noqa: E402
-from tokenmill.sequence import GenerationRequest, SamplingParams  # noqa: E402
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose_all  # noqa: E402
+from tokenmill.engine.sequence import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 32000
 
@@ -165,10 +165,10 @@ def quantizers(config, tokenizer, device, batch: int, new_tokens: int) -> None:
     """Part 3: each quantizer's weight memory, speed and agreement with the unquantized model (bfloat16)."""
     import tempfile
 
-    from tokenmill.loading import load_model
-    from tokenmill.plugins import choose
-    from tokenmill.quant_linears import weight_bytes, write_packed_checkpoint
-    from tokenmill.startup import choose_quantizer
+    from tokenmill.model.loading import load_model
+    from tokenmill.plugin_manager import choose
+    from tokenmill.model.quant_linears import weight_bytes, write_packed_checkpoint
+    from tokenmill.engine.startup import choose_quantizer
     from tokenmill_plugins.quantizers import awq, gptq
 
     pm = build_plugin_manager(autoload=False)

@@ -33,7 +33,7 @@ def tiny_model(target: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+    from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,7 +47,7 @@ def tiny_model(target: Path) -> Path:
 
 def run_batch(engine: Any, prompt_ids: list[int], grammars: list[Any], new_tokens: int) -> float:
     """Seconds to run one request per entry of ``grammars`` (None: unconstrained) to ``new_tokens``."""
-    from tokenmill.sequence import ErrorEvent, Event, GenerationRequest, SamplingParams
+    from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, SamplingParams
 
     ended: list[Event] = []
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         model_id = args.model_id or str(tiny_model(Path(scratch) / "tiny"))
         started = start_ignoring_eos(Config(model_id=model_id, backend="paged"))
         engine, tokenizer = started.engine, started.loaded.tokenizer
-        from tokenmill.validation import Validator
+        from tokenmill.http.validation import Validator
 
         grammar = Validator(tokenizer, Config(), started.vocab_size).grammars.json_schema(RECORDS)
         prompt_ids = tokenizer("Here are the records as JSON:")["input_ids"]

@@ -81,7 +81,7 @@ def numbered(tokenizer: Any, prompts: list[Prompt], first: int, count: int) -> l
 
 def default_checkpoint() -> peers.Checkpoint:
     """SmolLM2-135M-Instruct as an HF directory (converted once from the packaged GGUF) and the GGUF."""
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     gguf = Path(default_gguf())
     return peers.Checkpoint(Path(converted_gguf(gguf)), gguf)

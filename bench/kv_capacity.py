@@ -24,8 +24,8 @@ def measure(budget_mib: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from engine_helpers import Collector, build_engine
 
-    from tokenmill.loading import converted_gguf, default_gguf
-    from tokenmill.sequence import GenerationRequest, SamplingParams
+    from tokenmill.model.loading import converted_gguf, default_gguf
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams
 
     path = converted_gguf(default_gguf())
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -29,7 +29,7 @@ def timed(step: Any) -> float:
 
 def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, decode_length: int,
             runs: int) -> dict[str, float]:
-    from tokenmill.sequence import GenerationRequest, SamplingParams
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams
 
     prefill_ms: list[float] = []
     decode_ms: list[float] = []

@@ -46,7 +46,7 @@ def write_random_adapter(target: Path, seed: int, rank: int = 8, base_dir: Path 
 
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     parser = argparse.ArgumentParser(prog="python -m bench lora", description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)

@@ -24,7 +24,7 @@ from bench.steps import PhaseTimes
 def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns: int, max_tokens: int
              ) -> dict[str, Any]:
     """Step ``engine`` until every conversation has had its turns; step times by kind."""
-    from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams, TokenEvent
 
     histories = [[{"role": "system", "content": system}] for _ in range(conversations)]
     asked = [0] * conversations
@@ -73,9 +73,9 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
 
 def main() -> None:
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.startup import start_engine
+    from tokenmill.model.loading import Stages
+    from tokenmill.plugin_manager import build_plugin_manager
+    from tokenmill.engine.startup import start_engine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=16)

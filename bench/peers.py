@@ -133,7 +133,7 @@ def fp32_kv_bytes_per_token(hf_dir: Path) -> int:
     import torch
     from transformers import AutoConfig
 
-    from tokenmill.kv_memory import bytes_per_token
+    from tokenmill.model.kv_memory import bytes_per_token
 
     return bytes_per_token(AutoConfig.from_pretrained(hf_dir), torch.float32)
 

@@ -59,7 +59,7 @@ def agreement(logprobs: list[torch.Tensor], reference: list[torch.Tensor]) -> fl
 
 
 def checkpoints(source: Path, scratch: Path) -> dict[str, Path]:
-    from tokenmill.quant_linears import write_packed_checkpoint
+    from tokenmill.model.quant_linears import write_packed_checkpoint
     from tokenmill_plugins.quantizers import awq, gptq
 
     gptq_config = {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "desc_act": False, "sym": False}
@@ -70,10 +70,10 @@ def checkpoints(source: Path, scratch: Path) -> dict[str, Path]:
 
 def measure(config: Any, texts: list[str], concurrency: list[int], new_tokens: int,
             reference: list[torch.Tensor] | None) -> dict[str, Any]:
-    from tokenmill.loading import load_model
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.quant_linears import weight_bytes
-    from tokenmill.startup import choose_quantizer
+    from tokenmill.model.loading import load_model
+    from tokenmill.plugin_manager import build_plugin_manager
+    from tokenmill.model.quant_linears import weight_bytes
+    from tokenmill.engine.startup import choose_quantizer
 
     # Quality on the model as loaded (the paged engine takes its attention over afterwards).
     pm = build_plugin_manager(autoload=False)
@@ -94,7 +94,7 @@ def measure(config: Any, texts: list[str], concurrency: list[int], new_tokens: i
 
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     parser = argparse.ArgumentParser(prog="python -m bench quant", description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

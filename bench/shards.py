@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from bench.harness import load_prompts
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     parser = argparse.ArgumentParser(prog="python -m bench shards", description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])

@@ -28,7 +28,7 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
     """Step ``engine`` until ``requests`` (default ``concurrency``) requests of ``new_tokens`` each are
     done, ``concurrency`` at a time; request i runs with LoRA adapter ``adapters[i % len(adapters)]``
     when adapters are given."""
-    from tokenmill.sequence import GenerationRequest, SamplingParams, TokenEvent
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams, TokenEvent
 
     total = requests or concurrency
     finished: list[float] = []

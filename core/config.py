@@ -189,7 +189,7 @@ class Config:
 
     def class_weights(self) -> tuple[tuple[str, float], ...]:
         """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""
-        from tokenmill.sequence import PRIORITY_CLASSES
+        from tokenmill.engine.sequence import PRIORITY_CLASSES
 
         weights: dict[str, float] = {}
         for item in self.priority_class_weights.split(","):

@@ -4,7 +4,7 @@
 import sys
 
 from tokenmill.cli import PREFLIGHT_ERRORS, preflight
-from tokenmill.serve import config_from_environment, gunicorn_options
+from tokenmill.http.serve import config_from_environment, gunicorn_options
 
 try:
     _config = config_from_environment()
@@ -14,4 +14,4 @@ except PREFLIGHT_ERRORS as error:
     sys.exit(2)
 
 globals().update(gunicorn_options(_config))
-wsgi_app = "tokenmill.serve:app_from_environment()"
+wsgi_app = "tokenmill.http.serve:app_from_environment()"

@@ -1,1 +1,1 @@
-"""tokenmill's built-in plugins, one concept per module, registered by tokenmill.plugins."""
+"""tokenmill's built-in plugins, one concept per module, registered by tokenmill.plugin_manager."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from otlp_collector import Collector, running_collector
-from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
 
 
 def tiny_llama_config():  # the shape design.md §8 found to give varied greedy tokens

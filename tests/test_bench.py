@@ -333,9 +333,9 @@ def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_cou
 def test_the_engine_side_multiturn_load_splits_its_steps(tiny_model_dir: Path) -> None:
     from bench import multiturn_steps
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.startup import start_engine
+    from tokenmill.model.loading import Stages
+    from tokenmill.plugin_manager import build_plugin_manager
+    from tokenmill.engine.startup import start_engine
 
     started = start_engine(Config(model_id=str(tiny_model_dir), backend="paged", compile_model=False),
                            build_plugin_manager(autoload=False), Stages())

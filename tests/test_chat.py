@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from tokenmill.chat import (
+from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
     parse_tool_call,
@@ -16,7 +16,7 @@ from tokenmill.chat import (
     tool_call_schema,
     tools_to_offer,
 )
-from tokenmill.openai_api import StopHoldback
+from tokenmill.http.openai import StopHoldback
 
 TOOLS = parse_tools([
     {"type": "function", "function": {"name": "get_weather", "parameters": {

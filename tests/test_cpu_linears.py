@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import parse_config
-from tokenmill.cpu_linears import PackedLinear, pack_linears, packing_unavailable_reason
+from tokenmill.model.cpu_linears import PackedLinear, pack_linears, packing_unavailable_reason
 
 pytestmark = pytest.mark.skipif(packing_unavailable_reason(nn.Linear(2, 2)) is not None,
                                 reason="this torch build has no oneDNN linear kernel")

@@ -9,9 +9,9 @@ import torch
 
 from conftest import start_server
 from engine_helpers import Collector, build_engine, reference_greedy
-from tokenmill.cpu_linears import pack_linears
-from tokenmill.loading import DEFAULT_MODEL_FILE, converted_gguf, default_gguf
-from tokenmill.sequence import GenerationRequest, SamplingParams
+from tokenmill.model.cpu_linears import pack_linears
+from tokenmill.model.loading import DEFAULT_MODEL_FILE, converted_gguf, default_gguf
+from tokenmill.engine.sequence import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tokenmill
-from tokenmill.plugins import build_plugin_manager
-from tokenmill.sequence import ErrorEvent, SamplingParams
+from tokenmill.plugin_manager import build_plugin_manager
+from tokenmill.engine.sequence import ErrorEvent, SamplingParams
 
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 

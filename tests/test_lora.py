@@ -260,7 +260,7 @@ def test_an_adapter_in_use_is_never_evicted(small_cache_server):
 def test_an_adapter_on_smollm2_generates_what_peft_merged_model_does(tmp_path):
     from transformers import AutoTokenizer
 
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     base_dir = converted_gguf(default_gguf())
     adapter_dir = write_random_adapter(tmp_path / "smol-adapter", seed=7, rank=8, base_dir=base_dir)

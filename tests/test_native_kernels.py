@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import native_kernels
+from tokenmill.kernels import native as native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels.native_unavailable_reason() is not None,
                                 reason=f"native kernels unavailable: {native_kernels.native_unavailable_reason()}")

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import RunningServer, start_server
-from tokenmill.watermark import detect_text
+from tokenmill.sampling.watermark import detect_text
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_regex_grammar_through_generate(smollm2):
 def test_watermarked_generations_are_detected_and_plain_ones_are_not(client):
     from transformers import AutoTokenizer
 
-    from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+    from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
 
     gguf = default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE)

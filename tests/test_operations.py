@@ -194,14 +194,14 @@ def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drai
 
 
 def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
-    from tokenmill import server
+    from tokenmill.http import app as server
     from tokenmill.config import parse_config
-    from tokenmill.serve import gunicorn_options
+    from tokenmill.http.serve import gunicorn_options
 
     options = gunicorn_options(parse_config(["--graceful-termination-timeout", "45", "--hostname", "::1",
                                              "--port", "8080"]))
     assert options["bind"] == ["[::1]:8080"] and options["workers"] == 1
-    assert options["worker_class"] == "tokenmill.serve.TokenmillWorker"
+    assert options["worker_class"] == "tokenmill.http.serve.TokenmillWorker"
     after_the_grace_period = server.ENGINE_STOP_SECONDS + server.ANSWER_SECONDS + 5  # + uvicorn closing connections
     assert options["graceful_timeout"] > 45 + after_the_grace_period
 

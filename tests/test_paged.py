@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
-from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all
 
 
 @pytest.fixture
@@ -202,8 +202,8 @@ def test_flash_is_refused_on_cpu_with_the_reason_and_auto_picks_paged():
 def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, expected, tiny_model_dir,
                                                                       monkeypatch):
     from tokenmill.config import parse_config
-    from tokenmill.loading import ModelLoadError
-    from tokenmill.server import ServerState
+    from tokenmill.model.loading import ModelLoadError
+    from tokenmill.http.app import ServerState
     from tokenmill_plugins.backends.paged import PagedBackend
 
     monkeypatch.setattr(PagedBackend, "model_unsupported_reason", lambda self, model: "no AttentionInterface")
@@ -284,8 +284,8 @@ def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_o
     from types import SimpleNamespace
 
     from tokenmill.config import Config
-    from tokenmill.lora import install
-    from tokenmill.startup import compile_unavailable_reason
+    from tokenmill.model.lora import install
+    from tokenmill.engine.startup import compile_unavailable_reason
 
     if lora:
         install(paged_model)
@@ -321,7 +321,7 @@ def test_the_transformers_runner_runs_eagerly(tiny_model):
     from types import SimpleNamespace
 
     from tokenmill.config import Config
-    from tokenmill.startup import compile_unavailable_reason
+    from tokenmill.engine.startup import compile_unavailable_reason
 
     engine = build_engine(tiny_model[0], tiny_model[1], backend="transformers")
     assert compile_unavailable_reason(Config(), SimpleNamespace(model=tiny_model[0]), engine.runner) == \
@@ -331,8 +331,8 @@ def test_the_transformers_runner_runs_eagerly(tiny_model):
 @pytest.mark.parametrize("backend, budget, ratio", [("paged", 2048, 0.0), ("transformers", 2047 + 50, 0.3)])
 def test_start_up_gives_a_backend_with_mixed_steps_its_admission_defaults(backend, budget, ratio, tiny_model_dir):
     from tokenmill.config import Config
-    from tokenmill.loading import Stages
-    from tokenmill.startup import start_engine
+    from tokenmill.model.loading import Stages
+    from tokenmill.engine.startup import start_engine
 
     config = Config(model_id=str(tiny_model_dir), backend=backend, compile_model=False, max_total_tokens=2048,
                     max_batch_total_tokens=8192)

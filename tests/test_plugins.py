@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill import hookspecs
-from tokenmill.plugins import PluginError, build_plugin_manager, choose, list_all
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, list_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_firs
     import types
 
     from tokenmill.interfaces import BatchLimits, StepBudget
-    from tokenmill.sequence import GenerationRequest, SamplingParams, Sequence
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 
     text = (ROOT / "hooks.md").read_text()
     [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "ShortestFirst" in block]

@@ -12,8 +12,8 @@ import torch
 
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 from tokenmill.interfaces import StepBudget
-from tokenmill.prefix import BlockChain, block_hash, full_block_hashes
-from tokenmill.sequence import GenerationRequest, SamplingParams, Sequence
+from tokenmill.engine.prefix import BlockChain, block_hash, full_block_hashes
+from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 
 SYSTEM = ("You are a careful assistant for a public library. Answer every question in full sentences, name the books "
           "and articles you draw on, keep to what the sources say, and say so plainly when you do not know. Prefer short "
@@ -381,7 +381,7 @@ def test_a_cache_salt_keeps_tenants_apart(fresh_model, tiny_model):
 
 
 def test_seeded_sampling_watermark_and_grammar_are_unaffected_by_the_cache(fresh_model, tiny_model):
-    from tokenmill.grammar import GrammarCompiler
+    from tokenmill.sampling.grammar import GrammarCompiler
 
     _, tokenizer = tiny_model
     grammar = GrammarCompiler(tokenizer, 49152).json_schema({"type": "object", "properties": {
@@ -443,7 +443,7 @@ def test_reset_drops_every_cached_block_no_sequence_holds(fresh_model, tiny_mode
 
 
 def test_admission_counts_only_uncached_tokens_against_the_prefill_budget(fresh_model, tiny_model):
-    from tokenmill.admission import Room
+    from tokenmill.engine.admission import Room
     from tokenmill.interfaces import BatchLimits
 
     _, tokenizer = tiny_model
@@ -626,8 +626,8 @@ def test_the_flag_and_tgis_environment_name_turn_it_on_and_off():
 
 def test_the_transformers_backend_says_it_keeps_no_prefix_cache(tiny_model):
     from tokenmill.config import Config
-    from tokenmill.plugins import build_plugin_manager, choose_all
-    from tokenmill.startup import prefix_caching_unavailable_reason
+    from tokenmill.plugin_manager import build_plugin_manager, choose_all
+    from tokenmill.engine.startup import prefix_caching_unavailable_reason
 
     model, _ = tiny_model
     chosen = choose_all(build_plugin_manager(autoload=False), "transformers", None, None, "fifo", None)

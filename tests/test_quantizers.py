@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
-from tokenmill.loading import load_model
-from tokenmill.plugins import build_plugin_manager
-from tokenmill.quant_linears import Int4Linear, quantize_int4, weight_bytes, write_packed_checkpoint
-from tokenmill.startup import choose_quantizer
+from tokenmill.model.loading import load_model
+from tokenmill.plugin_manager import build_plugin_manager
+from tokenmill.model.quant_linears import Int4Linear, quantize_int4, weight_bytes, write_packed_checkpoint
+from tokenmill.engine.startup import choose_quantizer
 from tokenmill_plugins.quantizers import awq, gptq
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -159,7 +159,7 @@ def test_each_method_generates_through_both_backends_as_its_own_generate_does(me
 
 @pytest.fixture(scope="module")
 def smollm2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     return checkpoints_of(converted_gguf(default_gguf()), tmp_path_factory.mktemp("smollm2-quantized"))
 
@@ -223,7 +223,7 @@ def test_gptq_act_order_checkpoints_permute_their_input_channels():
 
 def test_int4_layers_of_sizes_no_group_divides_stay_in_full_precision():
     assert isinstance(Int4Linear(*quantize_int4(torch.randn(16, 64), 64), 64, None, torch.float32), Int4Linear)
-    from tokenmill.quant_linears import int4_group_size
+    from tokenmill.model.quant_linears import int4_group_size
 
     assert int4_group_size(576) == 64 and int4_group_size(1536) == 128 and int4_group_size(100) is None
 
@@ -251,7 +251,7 @@ def test_a_float8_kv_cache_is_refused_without_cuda_with_the_reason(tiny_model_di
 
 def test_a_checkpoint_quantized_one_way_refuses_another_and_unknown_methods_are_named(checkpoints, tiny_model_dir):
     pm = build_plugin_manager(autoload=False)
-    from tokenmill.loading import ModelLoadError
+    from tokenmill.model.loading import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="already quantized with gptq"):
         choose_quantizer(pm, "int8", checkpoints["gptq"])

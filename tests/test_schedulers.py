@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tokenmill.admission import Room
+from tokenmill.engine.admission import Room
 from tokenmill.interfaces import BatchLimits, Preemption, StepBudget
-from tokenmill.sequence import GenerationRequest, SamplingParams, Sequence
+from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 from tokenmill_plugins.schedulers.fifo import FifoQueue
 from tokenmill_plugins.schedulers.priority import PriorityQueue
 

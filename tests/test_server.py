@@ -321,7 +321,7 @@ def test_gunicorn_serves_with_one_uvicorn_worker_logs_json_and_stops_on_sigterm(
         assert server.process.wait(30) == 0
     records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     messages = [r["message"] for r in records]
-    assert any("tokenmill.serve.TokenmillWorker" in m for m in messages)  # a uvicorn worker that drains
+    assert any("tokenmill.http.serve.TokenmillWorker" in m for m in messages)  # a uvicorn worker that drains
     assert sum("Booting worker" in m for m in messages) == 1
 
 
@@ -329,7 +329,7 @@ def test_the_app_answers_503_until_the_model_is_ready():
     import asyncio
 
     from tokenmill.config import Config
-    from tokenmill.server import create_app
+    from tokenmill.http.app import create_app
 
     async def ask() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         # httpx's ASGI transport sends no lifespan start-up, so the model never starts loading.
@@ -394,8 +394,8 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
     import asyncio
 
     from tokenmill.config import parse_config
-    from tokenmill.plugins import build_plugin_manager
-    from tokenmill.server import create_app
+    from tokenmill.plugin_manager import build_plugin_manager
+    from tokenmill.http.app import create_app
 
     config = parse_config(["--model-id", str(tiny_model_dir), "--backend", "paged", "--stream-buffer-tokens", "4",
                            "--max-total-tokens", "512", "--max-input-tokens", "64", "--no-compile-model"], env={})

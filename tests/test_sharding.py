@@ -15,7 +15,7 @@ import torch
 
 from conftest import free_port, start_server
 from engine_helpers import PROMPTS
-from tokenmill.sharding import ShardingError, even_split, plan_slice
+from tokenmill.model.sharding import ShardingError, even_split, plan_slice
 
 
 def smollm2_like():
@@ -109,7 +109,7 @@ def test_each_rank_holds_about_half_of_the_sliced_weights(tiny_model_dir):
     port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_weights_of_rank, args=(tiny_model_dir, port, results), nprocs=2, join=True)
-    from tokenmill.loading import load_model
+    from tokenmill.model.loading import load_model
 
     full = load_model(str(tiny_model_dir), None, "float32", "sdpa").model
     sliced = sum(m.weight.numel() for n, m in full.named_modules()
@@ -121,7 +121,7 @@ def test_each_rank_holds_about_half_of_the_sliced_weights(tiny_model_dir):
 def _weights_of_rank(rank: int, model_dir: Path, port: int, results) -> None:
     from transformers import AutoConfig
 
-    from tokenmill.sharding import init_group, load_sharded
+    from tokenmill.model.sharding import init_group, load_sharded
 
     init_group(rank, 2, "127.0.0.1", port, torch.device("cpu"))
     config = AutoConfig.from_pretrained(model_dir)
@@ -175,7 +175,7 @@ def test_sigterm_stops_every_shard(tiny_model_dir, tmp_path):
 def test_smollm2_over_two_shards_answers_as_one_shard_does_through_both_backends(tmp_path):
     from transformers import AutoTokenizer
 
-    from tokenmill.loading import DEFAULT_MODEL_FILE, default_gguf
+    from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
 
     gguf = default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from otlp_collector import Collector, attributes
-from tokenmill.telemetry import RequestRecord
-from tokenmill.tracing import Tracing, TracingUnavailable
+from tokenmill.observability.telemetry import RequestRecord
+from tokenmill.observability.tracing import Tracing, TracingUnavailable
 
 MS = 1_000_000  # nanoseconds
 
@@ -146,6 +146,6 @@ def test_missing_packages_raise_with_the_install_hint(monkeypatch: pytest.Monkey
 
 
 def test_importing_the_module_does_not_import_opentelemetry() -> None:
-    code = "import sys, tokenmill.tracing; print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    code = "import sys, tokenmill.observability.tracing; print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -14,14 +14,14 @@ import pytest
 
 from engine_helpers import Collector, greedy_request
 from tokenmill.config import Config
-from tokenmill.grammar import GrammarCompiler
+from tokenmill.sampling.grammar import GrammarCompiler
 import tokenmill
 from tokenmill.interfaces import Backend, BatchLimits, EngineSetup
-from tokenmill.loading import ModelLoadError
-from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all
-from tokenmill.sequence import ErrorEvent, SamplingParams
-from tokenmill.startup import settings_refusal
-from tokenmill.validation import ValidationError, Validator
+from tokenmill.model.loading import ModelLoadError
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all
+from tokenmill.engine.sequence import ErrorEvent, SamplingParams
+from tokenmill.engine.startup import settings_refusal
+from tokenmill.http.validation import ValidationError, Validator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "packages" / "tokenmill-vllm"))
 import tokenmill_vllm  # noqa: E402

@@ -63,7 +63,7 @@ def overlay_python(vllm_python, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint() -> Path:
     """The default model (SmolLM2-135M-Instruct) as a checkpoint directory both servers read."""
-    from tokenmill.loading import converted_gguf, default_gguf
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     return converted_gguf(default_gguf())
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill.cli import main
-from tokenmill.watermark import HASH_KEY, WatermarkProcessor, detect, detect_text, green_list
+from tokenmill.sampling.watermark import HASH_KEY, WatermarkProcessor, detect, detect_text, green_list
 
 VOCAB = 49152  # SmolLM2's logits width, as in the tiny test model
 GAMMA = 0.5

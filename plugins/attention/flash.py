@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import tokenmill
-from tokenmill.accelerators import flash_attn_unavailable_reason
+from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.interfaces import AttentionKernel, PagedStep
 
 

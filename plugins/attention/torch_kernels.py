@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tokenmill
-from tokenmill import native_kernels
+from tokenmill.kernels import native as native_kernels
 from tokenmill.interfaces import AttentionKernel, PagedStep
 
 

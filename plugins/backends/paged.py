@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 
 import tokenmill
-from tokenmill.accelerators import flash_attn_unavailable_reason
+from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.interfaces import (
     NO_HIT,
     AttentionKernel,
@@ -40,10 +40,10 @@ from tokenmill.interfaces import (
     PrefixHit,
     StepOutput,
 )
-from tokenmill.kv_memory import model_kv_shape
-from tokenmill.lora import adapter_rows
-from tokenmill.prefix import BlockChain, cacheable_blocks, full_block_hashes
-from tokenmill.sequence import Sequence
+from tokenmill.model.kv_memory import model_kv_shape
+from tokenmill.model.lora import adapter_rows
+from tokenmill.engine.prefix import BlockChain, cacheable_blocks, full_block_hashes
+from tokenmill.engine.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
 

@@ -15,8 +15,8 @@ import torch
 
 import tokenmill
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
-from tokenmill.lora import adapter_rows
-from tokenmill.sequence import Sequence
+from tokenmill.model.lora import adapter_rows
+from tokenmill.engine.sequence import Sequence
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

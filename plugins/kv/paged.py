@@ -19,7 +19,7 @@ import torch
 
 import tokenmill
 from tokenmill.interfaces import BlockPool, CachingBlockPool, KVAllocator
-from tokenmill.kv_memory import model_kv_shape
+from tokenmill.model.kv_memory import model_kv_shape
 
 
 class PagedPool(CachingBlockPool):

@@ -7,7 +7,7 @@ The format, per linear layer:
 - ``scales`` ``[groups, out]``.
 
 so ``W[o, i] = scales[g, o] * (code[i, o] - zero[g, o])`` with ``g = i // group_size``. The
-layers run as :class:`~tokenmill.quant_linears.Int4Linear`. ``pack`` writes the format.
+layers run as :class:`~tokenmill.model.quant_linears.Int4Linear`. ``pack`` writes the format.
 autoawq itself is not needed (it is deprecated upstream and pulls ~1 GB).
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 import tokenmill
 from tokenmill.interfaces import Quantizer
-from tokenmill.quant_linears import Int4Linear, PackedCheckpointQuantizer, quantize_int4
+from tokenmill.model.quant_linears import Int4Linear, PackedCheckpointQuantizer, quantize_int4
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """Which of a word's eight columns each nibble holds, low nibble first."""

@@ -19,7 +19,7 @@ import torch
 
 import tokenmill
 from tokenmill.interfaces import Quantizer
-from tokenmill.quant_linears import int8_head_and_embedding
+from tokenmill.model.quant_linears import int8_head_and_embedding
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import tokenmill
 from tokenmill.interfaces import Quantizer
-from tokenmill.quant_linears import linear_layers, replace_module
+from tokenmill.model.quant_linears import linear_layers, replace_module
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -8,7 +8,7 @@ The format, per linear layer:
   not sorted.
 
 so ``W[o, i] = scales[g, o] * (code[i, o] - (zero[g, o] + 1))`` with ``g = g_idx[i]``. The
-layers run as :class:`~tokenmill.quant_linears.Int4Linear` (channels of act-order checkpoints
+layers run as :class:`~tokenmill.model.quant_linears.Int4Linear` (channels of act-order checkpoints
 permuted so that groups are contiguous). ``pack`` writes the format, so tests and
 benchmarks can make checkpoints without the GPTQ tools.
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 import tokenmill
 from tokenmill.interfaces import Quantizer
-from tokenmill.quant_linears import Int4Linear, PackedCheckpointQuantizer
+from tokenmill.model.quant_linears import Int4Linear, PackedCheckpointQuantizer
 
 BITS = 4
 PER_WORD = 32 // BITS
@@ -61,7 +61,7 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
 
 def pack(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """A float weight ``[out, in]`` as GPTQ tensors, rounded to nearest (no calibration)."""
-    from tokenmill.quant_linears import quantize_int4
+    from tokenmill.model.quant_linears import quantize_int4
 
     codes, scales, zeros = quantize_int4(weight, group_size, lowest_zero=1)  # [out, in], [out, groups]
     return {

@@ -17,7 +17,7 @@ from typing import Any
 
 import tokenmill
 from tokenmill.interfaces import Quantizer
-from tokenmill.quant_linears import (
+from tokenmill.model.quant_linears import (
     Int4Linear,
     Int8Linear,
     int4_group_size,

@@ -1,10 +1,10 @@
 """The ``fifo`` scheduler: first come, first served, within TGI's batch limits and rules.
 
 Waiting requests start in arrival order until the first one that does not fit the
-step (:class:`tokenmill.admission.Room`: prefill budget, KV memory, batch size); the
+step (:class:`tokenmill.engine.admission.Room`: prefill budget, KV memory, batch size); the
 queue never skips ahead, so the head of the line waits for room rather than be
 overtaken. While a batch runs, newcomers join it only as TGI lets them
-(:func:`tokenmill.admission.joins_now`: enough of them at once, or after
+(:func:`tokenmill.engine.admission.joins_now`: enough of them at once, or after
 ``--max-waiting-tokens`` steps). Preempted sequences go back to the head of the line.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 
 import tokenmill
-from tokenmill.admission import Room, joins_now
+from tokenmill.engine.admission import Room, joins_now
 from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
-from tokenmill.sequence import Sequence
+from tokenmill.engine.sequence import Sequence
 
 
 class FifoQueue(SchedulerQueue):

@@ -6,7 +6,7 @@ Each waiting request has a weight, in units of tokens:
     + ``--priority-aging`` (default 100) × seconds waited
     - ``--priority-cost`` (default 1) × (prompt tokens + ``max_new_tokens``)
 
-Heaviest first, within the step's limits (:class:`tokenmill.admission.Room`); like
+Heaviest first, within the step's limits (:class:`tokenmill.engine.admission.Room`); like
 ``fifo`` it never skips past the heaviest request that does not fit, so once a request
 is the heaviest it is the next to start. Every waiting request ages at the same rate,
 so waiting never reorders two requests already in the queue; it lifts old ones above
@@ -28,9 +28,9 @@ import time
 from typing import Callable
 
 import tokenmill
-from tokenmill.admission import Room
+from tokenmill.engine.admission import Room
 from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
-from tokenmill.sequence import PRIORITY_CLASSES, Sequence
+from tokenmill.engine.sequence import PRIORITY_CLASSES, Sequence
 
 
 class PriorityQueue(SchedulerQueue):

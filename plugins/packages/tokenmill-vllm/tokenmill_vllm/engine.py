@@ -15,13 +15,13 @@ import os
 import time
 from typing import Any
 
-from tokenmill.engine import Engine
-from tokenmill.grammar import Grammar
+from tokenmill.engine.engine import Engine
+from tokenmill.sampling.grammar import Grammar
 from tokenmill.interfaces import EngineSetup, SchedulerQueue
-from tokenmill.kv_memory import bytes_per_token
-from tokenmill.loading import ModelLoadError
-from tokenmill.sampling import uses_sampling
-from tokenmill.sequence import GenerationRequest, Sequence
+from tokenmill.model.kv_memory import bytes_per_token
+from tokenmill.model.loading import ModelLoadError
+from tokenmill.sampling.sampler import uses_sampling
+from tokenmill.engine.sequence import GenerationRequest, Sequence
 
 log = logging.getLogger(__name__)
 

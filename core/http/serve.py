@@ -25,8 +25,8 @@ import uvicorn
 from uvicorn_worker import UvicornWorker
 
 from tokenmill.config import Config, parse_config
-from tokenmill.logs import gunicorn_logconfig
-from tokenmill.server import ServerState, create_app
+from tokenmill.observability.logs import gunicorn_logconfig
+from tokenmill.http.app import ServerState, create_app
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def gunicorn_options(config: Config) -> dict[str, Any]:
     return {
         "bind": [f"{host}:{config.port}"],
         "workers": 1,
-        "worker_class": "tokenmill.serve.TokenmillWorker",
+        "worker_class": "tokenmill.http.serve.TokenmillWorker",
         "timeout": 120,
         "graceful_timeout": config.graceful_termination_timeout + SHUTDOWN_MARGIN_SECONDS,
         "keepalive": 75,  # longer than the usual load balancer idle timeout (60 s)
@@ -158,7 +158,7 @@ def config_from_environment() -> Config:
 
 
 def app_from_environment() -> Any:
-    """gunicorn's app factory (``tokenmill.serve:app_from_environment()``), called in the worker
+    """gunicorn's app factory (``tokenmill.http.serve:app_from_environment()``), called in the worker
     (logging is set up by gunicorn's ``logconfig_dict``)."""
     return create_app(config_from_environment())
 

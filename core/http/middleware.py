@@ -10,9 +10,9 @@ from typing import Callable
 
 import falcon.asgi
 
-from tokenmill.http_body import ApiError
-from tokenmill.logs import request_id_var
-from tokenmill.telemetry import RequestRecord, Telemetry
+from tokenmill.http.body import ApiError
+from tokenmill.observability.logs import request_id_var
+from tokenmill.observability.telemetry import RequestRecord, Telemetry
 
 GENERATION_ROUTES = {
     "/generate": "generate",

@@ -23,15 +23,16 @@ import falcon
 import falcon.asgi
 import pluggy
 
-from tokenmill import __version__, sharding
+from tokenmill import __version__
+from tokenmill.model import sharding
 from tokenmill.config import Config
-from tokenmill.engine import Engine
-from tokenmill.http_body import ApiError, read_json
-from tokenmill.loading import LoadedModel, ModelLoadError, Stages
-from tokenmill.lora import Adapter, AdapterBusy, AdapterCache, AdapterError
-from tokenmill.metrics import Metrics, serve_metrics
-from tokenmill.middleware import ApiKeyAuth, RequestContext, cors_middleware
-from tokenmill.openai_api import (
+from tokenmill.engine.engine import Engine
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.model.lora import Adapter, AdapterBusy, AdapterCache, AdapterError
+from tokenmill.observability.metrics import Metrics, serve_metrics
+from tokenmill.http.middleware import ApiKeyAuth, RequestContext, cors_middleware
+from tokenmill.http.openai import (
     ChatCompletionsRoute,
     CompletionsRoute,
     ModelsRoute,
@@ -39,13 +40,13 @@ from tokenmill.openai_api import (
     OpenAIStream,
     sse_events,
 )
-from tokenmill.plugins import Chosen, build_plugin_manager
-from tokenmill.profiling import ProfileRoute
-from tokenmill.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
-from tokenmill.sharding import ShardProcesses
-from tokenmill.startup import start_engine
-from tokenmill.telemetry import RequestRecord, Telemetry
-from tokenmill.validation import ValidationError, Validator, parse_body
+from tokenmill.plugin_manager import Chosen, build_plugin_manager
+from tokenmill.observability.profiling import ProfileRoute
+from tokenmill.engine.sequence import PRIORITY_CLASSES, ErrorEvent, Event, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.model.sharding import ShardProcesses
+from tokenmill.engine.startup import start_engine
+from tokenmill.observability.telemetry import RequestRecord, Telemetry
+from tokenmill.http.validation import ValidationError, Validator, parse_body
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +394,7 @@ class StreamRun:
 
 class Generation:
     """Runs validated requests through the engine: TGI's generate routes and OpenAI's (whose parsing
-    and response shapes live in ``tokenmill.openai_api``), each holding one concurrency slot."""
+    and response shapes live in ``tokenmill.http.openai``), each holding one concurrency slot."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -710,7 +711,7 @@ class TokenizeRoute:
 
 
 class MetricsRoute:
-    """Prometheus text exposition: TGI's metric names and buckets (see ``tokenmill.metrics``)."""
+    """Prometheus text exposition: TGI's metric names and buckets (see ``tokenmill.observability.metrics``)."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -891,7 +892,7 @@ class Lifespan:
     async def process_startup(self, scope: Any, event: Any) -> None:
         config = self.state.config
         if config.otlp_endpoint:
-            from tokenmill.tracing import Tracing
+            from tokenmill.observability.tracing import Tracing
 
             self.state.telemetry.tracing = Tracing.start(config.otlp_endpoint, config.otlp_service_name)
         if config.prometheus_port:

@@ -20,11 +20,11 @@ from typing import Any, Callable
 import pluggy
 import torch
 
-from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.grammar import batch_allowed
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.sampling.grammar import batch_allowed
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget, StepOutput
-from tokenmill.sampling import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
-from tokenmill.sequence import (
+from tokenmill.sampling.sampler import SequenceSampler, new_seed, prompt_logprobs, uses_sampling
+from tokenmill.engine.sequence import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -38,7 +38,7 @@ from tokenmill.sequence import (
     TokenEvent,
     TokenInfo,
 )
-from tokenmill.watermark import WatermarkProcessor
+from tokenmill.sampling.watermark import WatermarkProcessor
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ may join a running batch at all.
 from __future__ import annotations
 
 from tokenmill.interfaces import NO_HIT, BatchLimits, PrefixHit, StepBudget
-from tokenmill.prefix import full_block_hashes
-from tokenmill.sequence import Sequence
+from tokenmill.engine.prefix import full_block_hashes
+from tokenmill.engine.sequence import Sequence
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -13,13 +13,14 @@ from typing import Any, Callable
 import pluggy
 import torch
 
-from tokenmill import native_kernels, sharding
+from tokenmill.kernels import native as native_kernels
+from tokenmill.model import sharding
 from tokenmill.config import Config
-from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
-from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
+from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
+from tokenmill.engine.engine import Engine, eos_ids_of, eos_token_ids
 from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
-from tokenmill.kv_memory import bytes_per_token
-from tokenmill.loading import (
+from tokenmill.model.kv_memory import bytes_per_token
+from tokenmill.model.loading import (
     LoadedModel,
     ModelLoadError,
     Stages,
@@ -28,9 +29,9 @@ from tokenmill.loading import (
     pick_dtype,
     resolve_checkpoint,
 )
-from tokenmill.lora import AdapterBusy, AdapterCache, AdapterError, install
-from tokenmill.plugins import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
-from tokenmill.quant_linears import read_quantization_config
+from tokenmill.model.lora import AdapterBusy, AdapterCache, AdapterError, install
+from tokenmill.plugin_manager import AUTO_BACKENDS, Chosen, PluginError, choose, choose_all, offered
+from tokenmill.model.quant_linears import read_quantization_config
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import falcon
 import falcon.asgi
 
 from tokenmill import __version__
-from tokenmill.chat import ChatError, ToolCall, parse_messages, parse_tool_call, parse_tools, render_prompt, tool_grammar, tools_to_offer
-from tokenmill.grammar import Grammar, GrammarError
-from tokenmill.http_body import ApiError, read_json
-from tokenmill.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
-from tokenmill.validation import ValidationError, Validator
+from tokenmill.http.openai.chat import ChatError, ToolCall, parse_messages, parse_tool_call, parse_tools, render_prompt, tool_grammar, tools_to_offer
+from tokenmill.sampling.grammar import Grammar, GrammarError
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
+from tokenmill.http.validation import ValidationError, Validator
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs`` (chat); completions' ``logprobs`` stops at 5."""

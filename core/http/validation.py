@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tokenmill.config import Config
-from tokenmill.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
-from tokenmill.sampling import uses_sampling
-from tokenmill.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
+from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
+from tokenmill.sampling.sampler import uses_sampling
+from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
 
 _MISSING = object()
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.engine import Engine
-    from tokenmill.sequence import Sequence
+    from tokenmill.engine.engine import Engine
+    from tokenmill.engine.sequence import Sequence
 
 
 class Implementation:
@@ -119,7 +119,7 @@ class BlockPool(Protocol):
 class CachingBlockPool(BlockPool, Protocol):
     """A block pool that keeps computed blocks for reuse (automatic prefix caching).
 
-    A full block may be *named* by the hash of its contents (see :mod:`tokenmill.prefix`). A named
+    A full block may be *named* by the hash of its contents (see :mod:`tokenmill.engine.prefix`). A named
     block whose last holder lets go stays in the pool as *cached*, unreferenced, in least recently
     used order, instead of returning to the free list; ``free_blocks()`` counts it as free, and
     ``reserve`` evicts the least recently used cached block once the free list is empty."""
@@ -424,5 +424,5 @@ class Backend(Implementation):
 
     def create_engine(self, setup: EngineSetup) -> Engine:
         """(``owns_engine`` only.) Load the model into this backend's own engine and return a
-        :class:`tokenmill.engine.Engine` subclass that drives it, not started."""
+        :class:`tokenmill.engine.engine.Engine` subclass that drives it, not started."""
         raise NotImplementedError

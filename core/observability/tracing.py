@@ -5,7 +5,7 @@ The OpenTelemetry packages are the ``otlp`` extra, so they are imported only ins
 and never when this module is imported. Each request becomes a root span named after its route (as TGI's
 router names them: ``generate``, ``generate_stream``, ``chat_completions``, ``completions``) with the
 children ``validation``, ``queue`` and ``inference`` laid end to end from the request's arrival. Spans are
-built after the fact from a :class:`~tokenmill.telemetry.RequestRecord` with explicit timestamps; a
+built after the fact from a :class:`~tokenmill.observability.telemetry.RequestRecord` with explicit timestamps; a
 ``BatchSpanProcessor`` ships them from its own thread, so recording never waits on the network.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.telemetry import RequestRecord
+from tokenmill.observability.telemetry import RequestRecord
 
 _TRACES_PATH = "/v1/traces"
 _INSTALL_HINT = "pip install 'tokenmill[otlp]'"

@@ -7,8 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from tokenmill.sampling.params import SamplingParams
+
 if TYPE_CHECKING:
-    from tokenmill.grammar import Grammar
+    from tokenmill.sampling.grammar import Grammar
 
 FINISH_LENGTH = "length"
 FINISH_EOS = "eos_token"
@@ -16,25 +18,6 @@ FINISH_STOP = "stop_sequence"
 
 PRIORITY_CLASSES = ("high", "normal", "low")
 """A request's priority class, most urgent first (the ``priority`` parameter or ``X-Priority`` header)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    """TGI's rule: scaled by each token's share of the whole sequence (prompt included)."""
-    presence_penalty: float | None = None
-    """OpenAI's: subtracted once from every token already generated."""
-    occurrence_penalty: float | None = None
-    """OpenAI's ``frequency_penalty``: subtracted per occurrence in the generated tokens."""
-    seed: int | None = None
-    watermark: bool = False
-    """Bias each step towards a green list seeded by the previous token (``--watermark-gamma``/``-delta``)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +43,7 @@ class GenerationRequest:
     adapter_id: str | None = None
     """The LoRA adapter the request asked for; None for the base model."""
     adapter: Any = None
-    """That adapter's weights (a ``tokenmill.lora.Adapter``), pinned in memory while the request runs."""
+    """That adapter's weights (a ``tokenmill.model.lora.Adapter``), pinned in memory while the request runs."""
     cache_salt: str | None = None
     """Only requests with the same salt share cached prompt blocks (so one tenant's timings tell
     nothing of another's prompts)."""
@@ -141,7 +124,7 @@ class Sequence:
         self.cached_tokens = 0
         """Prompt tokens it took from the prefix cache when it first started."""
         self.block_hashes: list[bytes] = []
-        """The names of its full blocks, as far as they were needed (see ``tokenmill.prefix``)."""
+        """The names of its full blocks, as far as they were needed (see ``tokenmill.engine.prefix``)."""
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []

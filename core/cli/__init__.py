@@ -14,11 +14,11 @@ import torch
 
 from tokenmill import __version__
 from tokenmill.config import Config, ConfigError, parse_config
-from tokenmill.loading import ModelLoadError, checkpoint_config, resolve
-from tokenmill.logs import setup_logging
-from tokenmill.plugins import PluginError, build_plugin_manager, choose, choose_all, list_all
-from tokenmill.sharding import ShardingError
-from tokenmill.tracing import TracingUnavailable
+from tokenmill.model.loading import ModelLoadError, checkpoint_config, resolve
+from tokenmill.observability.logs import setup_logging
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all, list_all
+from tokenmill.model.sharding import ShardingError
+from tokenmill.observability.tracing import TracingUnavailable
 
 PREFLIGHT_ERRORS = (ConfigError, PluginError, ModelLoadError, ShardingError, TracingUnavailable)
 """What :func:`preflight` raises: each a one-line reason not to start."""
@@ -34,7 +34,7 @@ def preflight(config: Config) -> None:
     if config.quantize:
         choose(pm, "quantizer", config.quantize)
     if config.num_shard > 1:
-        from tokenmill.sharding import plan_slice
+        from tokenmill.model.sharding import plan_slice
 
         _, model_config = checkpoint_config(config.model_id, config.revision)
         plan_slice(model_config, 0, config.num_shard)
@@ -45,13 +45,13 @@ def preflight(config: Config) -> None:
         if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and torch.cuda.device_count() < config.num_shard:
             raise ConfigError(f"--num-shard {config.num_shard} needs a GPU per shard; this machine has "
                               f"{torch.cuda.device_count()}")
-    from tokenmill.startup import settings_refusal
+    from tokenmill.engine.startup import settings_refusal
 
     refusal = settings_refusal(config, chosen, "cuda" if torch.cuda.is_available() else "cpu")
     if refusal:
         raise ConfigError(refusal)
     if config.otlp_endpoint:
-        from tokenmill.tracing import require_packages
+        from tokenmill.observability.tracing import require_packages
 
         require_packages()
     resolve(config.model_id, config.revision)
@@ -59,7 +59,7 @@ def preflight(config: Config) -> None:
 
 def run_shard(rank: int, config: Config) -> int:
     """Ranks 1..N-1: no server, only their slice of the model and the forward rank 0 asks for."""
-    from tokenmill import sharding
+    from tokenmill.model import sharding
 
     try:
         return sharding.run_shard(rank, config.num_shard, config)
@@ -90,7 +90,7 @@ def launch(argv: Sequence[str]) -> int:
     except PREFLIGHT_ERRORS as error:
         print(f"tokenmill: error: {error}", file=sys.stderr)
         return 2
-    from tokenmill.serve import serve
+    from tokenmill.http.serve import serve
 
     return serve(config)
 
@@ -113,7 +113,7 @@ class UsageError(Exception):
 
 
 def watermark_parser() -> argparse.ArgumentParser:
-    from tokenmill.watermark import DETECTION_THRESHOLD
+    from tokenmill.sampling.watermark import DETECTION_THRESHOLD
 
     parser = argparse.ArgumentParser(
         prog="tokenmill watermark-detect",
@@ -186,7 +186,7 @@ def load_tokenizer_and_vocab_size(model_id: str | None, revision: str | None) ->
 
 
 def watermark_detect(argv: Sequence[str]) -> int:
-    from tokenmill.watermark import detect_text
+    from tokenmill.sampling.watermark import detect_text
 
     try:
         args = watermark_parser().parse_args(list(argv))

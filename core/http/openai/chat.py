@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
+from tokenmill.sampling.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

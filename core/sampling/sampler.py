@@ -15,23 +15,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tokenmill.sequence import SamplingParams
+from tokenmill.sampling.params import SamplingParams, uses_sampling
 
 if TYPE_CHECKING:
-    from tokenmill.grammar import TokenMatcher
+    from tokenmill.sampling.grammar import TokenMatcher
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
-
-
-def uses_sampling(params: SamplingParams) -> bool:
-    """Sampling is on when asked for, or implied by any warper (as in TGI)."""
-    return (
-        params.do_sample
-        or (params.temperature is not None and params.temperature != 1.0)
-        or bool(params.top_k)
-        or (params.top_p is not None and params.top_p < 1.0)
-        or (params.typical_p is not None and params.typical_p < 1.0)
-    )
 
 
 def new_seed() -> int:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.metrics import Metrics
-    from tokenmill.tracing import Tracing
+    from tokenmill.observability.metrics import Metrics
+    from tokenmill.observability.tracing import Tracing
 
 log = logging.getLogger("tokenmill.requests")
 

@@ -1,6 +1,6 @@
 """tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder.
 
-The source ships in the package (``native/``); the build lands in torch's extensions cache
+The source ships in the package (``csrc/``); the build lands in torch's extensions cache
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so it compiles once
 per machine (~30 s on 2 cores) and later starts load it in well under a second. Without a
 C++ compiler and ninja the kernels are unavailable and callers keep their plain PyTorch
@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "native" / "paged_decode.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 _turned_off: str | None = None
 
 

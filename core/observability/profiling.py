@@ -11,7 +11,7 @@ from pathlib import Path
 
 import falcon.asgi
 
-from tokenmill.http_body import ApiError
+from tokenmill.http.body import ApiError
 
 MAX_SECONDS = 60
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, -1

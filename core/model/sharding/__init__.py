@@ -231,7 +231,7 @@ class SequenceView:
     token_ids: list[int]
     cache_namespace: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
-    """A memo the shard's runner fills from ``token_ids`` (see ``tokenmill.prefix``)."""
+    """A memo the shard's runner fills from ``token_ids`` (see ``tokenmill.engine.prefix``)."""
 
     @property
     def pending_len(self) -> int:
@@ -317,8 +317,8 @@ def replay(runner: Any, message: tuple[Any, ...]) -> None:
 def run_shard(rank: int, world_size: int, config: Any) -> int:
     """A shard's life: join the group, load its slice, build the backend rank 0 describes, then replay
     every runner call rank 0 sends until it says stop (or the group breaks)."""
-    from tokenmill.loading import checkpoint_config, pick_device, pick_dtype
-    from tokenmill.plugins import build_plugin_manager, choose_all
+    from tokenmill.model.loading import checkpoint_config, pick_device, pick_dtype
+    from tokenmill.plugin_manager import build_plugin_manager, choose_all
 
     die_with_parent()
     device = pick_device()
@@ -332,11 +332,11 @@ def run_shard(rank: int, world_size: int, config: Any) -> int:
     model = load_sharded(path, shard, model_config, dtype, device, "sdpa")
     setup = broadcast(None)
     if setup["disable_custom_kernels"]:
-        from tokenmill import native_kernels
+        from tokenmill.kernels import native as native_kernels
 
         native_kernels.turn_off("--disable-custom-kernels")
     if setup["prepack_weights"]:
-        from tokenmill.cpu_linears import pack_linears, packing_unavailable_reason
+        from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
 
         if packing_unavailable_reason(model) is None:
             pack_linears(model)
@@ -375,7 +375,7 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     """Rank 0's share of the model, as a LoadedModel: joins the group first (the shards wait for it)."""
     from transformers import AutoTokenizer
 
-    from tokenmill.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device, pick_dtype
+    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device, pick_dtype
 
     device = pick_device()
     if device.type == "cuda":

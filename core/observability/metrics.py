@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.telemetry import RequestRecord
+from tokenmill.observability.telemetry import RequestRecord
 
 
 def duration_buckets() -> list[float]:
