@@ -29,7 +29,8 @@ def greedy_tokens(dtype: str | None, prompts: list[list[dict[str, str]]], new_to
     outputs: list[list[int]] = [[] for _ in prompts]
     for row, messages in enumerate(prompts):
         ids = chat_ids(tokenizer, messages)
-        sink: Any = lambda event, row=row: outputs[row].append(event.token.id) if isinstance(event, TokenEvent) else None
+        sink: Any = (lambda event, row=row:
+                     outputs[row].append(event.token.id) if isinstance(event, TokenEvent) else None)
         engine.submit(GenerationRequest("", ids, new_tokens, SamplingParams()), sink)
     while any(len(out) < new_tokens for out in outputs):
         engine.run_once()

@@ -21,15 +21,15 @@ import re
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from tokenmill.interfaces import PagedStep, padded_block_tables
 from tokenmill.kernels import native as native_kernels
-from tokenmill.interfaces import PagedStep
 from tokenmill_plugins.attention.torch_kernels import SdpaAttention
-from tokenmill_plugins.backends.paged import padded_block_tables
 from tokenmill_plugins.kv.paged import PagedPool
 
 SMOLLM2 = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
@@ -119,7 +119,8 @@ def main() -> None:
         for seqs in args.seqs:
             generator = torch.Generator().manual_seed(seqs)
             context_lens = torch.randint(args.context[0], args.context[1], (seqs,), generator=generator).tolist()
-            step = decode_step(SMOLLM2["layers"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], context_lens, layout == "shuffled")
+            step = decode_step(SMOLLM2["layers"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], context_lens,
+                               layout == "shuffled")
             query = torch.randn(seqs, SMOLLM2["heads"], SMOLLM2["head_dim"], generator=generator)
             runs = peers(step, query, args.source)
             outputs = {name: run() for name, run in runs.items()}

@@ -22,10 +22,10 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 def start_ignoring_eos(config: Any) -> Any:
     """``tokenmill.engine.startup.Started`` for ``config``; every request then runs to its ``max_new_tokens``."""
+    from tokenmill.engine.startup import start_engine
     from tokenmill.model.loading import Stages
     from tokenmill.plugin_manager import build_plugin_manager
-    from tokenmill.engine.startup import start_engine
 
     started = start_engine(config, build_plugin_manager(), Stages())
-    started.engine.eos_ids = set()
+    started.engine.output.eos_ids = set()
     return started

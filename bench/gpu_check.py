@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_helpers import Collector, build_engine  # noqa: E402
 
-from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose_all  # noqa: E402
 from tokenmill.engine.sequence import GenerationRequest, SamplingParams  # noqa: E402
+from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose_all  # noqa: E402
 
 VOCAB = 32000
 
@@ -166,9 +166,9 @@ def quantizers(config, tokenizer, device, batch: int, new_tokens: int) -> None:
     import tempfile
 
     from tokenmill.model.loading import load_model
-    from tokenmill.plugin_manager import choose
     from tokenmill.model.quant_linears import weight_bytes, write_packed_checkpoint
-    from tokenmill.engine.startup import choose_quantizer
+    from tokenmill.model.quantization import choose_quantizer
+    from tokenmill.plugin_manager import choose
     from tokenmill_plugins.quantizers import awq, gptq
 
     pm = build_plugin_manager(autoload=False)

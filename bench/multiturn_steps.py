@@ -56,7 +56,7 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
         while len(finished) < conversations:
             while ready:
                 ask(ready.pop())
-            prefilling = bool(engine.queue_size or engine.prefilling)
+            prefilling = bool(engine.queue_size or engine.batch.prefilling)
             phases.take()
             step_started = time.perf_counter()
             engine.run_once()
@@ -73,9 +73,9 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
 
 def main() -> None:
     from tokenmill.config import Config
+    from tokenmill.engine.startup import start_engine
     from tokenmill.model.loading import Stages
     from tokenmill.plugin_manager import build_plugin_manager
-    from tokenmill.engine.startup import start_engine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=16)
@@ -93,7 +93,7 @@ def main() -> None:
     prefill, decode = result["prefill"], result["decode"]
     print(f"{result['wall_s']:.2f} s: {len(prefill)} steps that prefill took {sum(prefill):.2f} s; {len(decode)} "
           f"decode steps took {sum(decode):.2f} s, median {1000 * statistics.median(decode):.1f} ms; prefix cache: "
-          f"{engine.prefix_hit_tokens} of {engine.prefix_queried_tokens} prompt tokens found")
+          f"{engine.batch.prefix_hit_tokens} of {engine.batch.prefix_queried_tokens} prompt tokens found")
     if result["decode_phases_ms"]:
         print("decode steps, medians (ms): " + ", ".join(f"{name} {ms:.2f}"
                                                         for name, ms in result["decode_phases_ms"].items()))

@@ -12,8 +12,9 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,9 +55,10 @@ class NaiveModel:
         """Yield (token id, new text) pairs, greedily, holding the lock throughout."""
         with self.lock:
             streamer = TokenQueue()
-            kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
-                          pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+            kwargs = {"input_ids": torch.tensor([ids]),
+                      "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                      "max_new_tokens": max_new_tokens, "do_sample": False, "streamer": streamer,
+                      "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
             worker = threading.Thread(target=self._generate, args=(kwargs, streamer))
             worker.start()
             generated: list[int] = []
@@ -116,6 +118,7 @@ def make_handler(model: NaiveModel) -> type[BaseHTTPRequestHandler]:
                              "created": created, "choices": [choice]})
             self._event({"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": count}})
             self.wfile.write(b"data: [DONE]\n\n")
+            return None
 
         def _event(self, payload: dict[str, Any]) -> None:
             self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

@@ -71,9 +71,9 @@ def checkpoints(source: Path, scratch: Path) -> dict[str, Path]:
 def measure(config: Any, texts: list[str], concurrency: list[int], new_tokens: int,
             reference: list[torch.Tensor] | None) -> dict[str, Any]:
     from tokenmill.model.loading import load_model
-    from tokenmill.plugin_manager import build_plugin_manager
     from tokenmill.model.quant_linears import weight_bytes
-    from tokenmill.engine.startup import choose_quantizer
+    from tokenmill.model.quantization import choose_quantizer
+    from tokenmill.plugin_manager import build_plugin_manager
 
     # Quality on the model as loaded (the paged engine takes its attention over afterwards).
     pm = build_plugin_manager(autoload=False)

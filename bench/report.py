@@ -47,12 +47,12 @@ def render_section(run: dict[str, Any]) -> str:
     name, levels = run["scenario"], run["concurrency"]
     columns = [f"c={c}" for c in levels]
     lines = [f"<!-- bench:{name}:begin -->", f"## Scenario `{name}` ({run['date']})", "",
-             f"`{run['command']}` — {run['model']}, prompt set v{run['prompt_set']['version']} "
-             f"({run['prompt_set']['count']} prompts, {run['prompt_set']['tokens']} prompt tokens in all, "
-             f"short questions to ~1,000-token documents; each request's message opens with its number, so no "
-             f"two are the same text), greedy, {run['max_new_tokens']} new tokens per request, "
-             f"at most {run['time_bound_s']:.0f} s per level, requests per level: {run['requests_rule']}. "
-             "Every system on the same loopback, one at a time.", "",
+             (f"`{run['command']}` — {run['model']}, prompt set v{run['prompt_set']['version']} "
+              f"({run['prompt_set']['count']} prompts, {run['prompt_set']['tokens']} prompt tokens in all, "
+              f"short questions to ~1,000-token documents; each request's message opens with its number, so no "
+              f"two are the same text), greedy, {run['max_new_tokens']} new tokens per request, "
+              f"at most {run['time_bound_s']:.0f} s per level, requests per level: {run['requests_rule']}. "
+              "Every system on the same loopback, one at a time."), "",
              f"Machine: {run['machine']}. Versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}.", "",
              "### Output tokens/s", ""]
     rows = []
@@ -74,7 +74,8 @@ def render_section(run: dict[str, Any]) -> str:
     if notes:
         lines += ["", "Notes: " + "; ".join(notes) + "."]
     lines += ratio_lines(run, levels, columns)
-    lines += ["", "### Latency (seconds; ITL in milliseconds) and requests completed / failed / cut by the time bound", ""]
+    lines += ["", "### Latency (seconds; ITL in milliseconds) and requests completed / failed / cut by the time bound",
+              ""]
     rows = []
     for system, entry in run["systems"].items():
         for c in levels:
@@ -100,11 +101,11 @@ def render_section(run: dict[str, Any]) -> str:
 def bound_lines(limit: dict[str, Any] | None) -> list[str]:
     if not limit or "arithmetic_bound_tokens_per_s" not in limit:
         return []
-    return ["", f"The limit row is the model's own batched decode (`python -m bench.limit`: forward with a KV cache, "
-            f"no server) at a batch of each concurrency. The arithmetic bound: a 2048² matmul runs at "
-            f"{limit['matmul_gflops_fp32']:.0f} GFLOP/s in fp32 ({limit['matmul_gflops_bf16']:.0f} in bf16) with "
-            f"{limit['threads']} threads; at {limit['gflop_per_token']:.2f} GFLOP of matmuls per token, fp32 decode "
-            f"cannot pass **{limit['arithmetic_bound_tokens_per_s']:.0f} tokens/s** on this machine."]
+    return ["", (f"The limit row is the model's own batched decode (`python -m bench.limit`: forward with a KV cache, "
+                 f"no server) at a batch of each concurrency. The arithmetic bound: a 2048² matmul runs at "
+                 f"{limit['matmul_gflops_fp32']:.0f} GFLOP/s in fp32 ({limit['matmul_gflops_bf16']:.0f} in bf16) with "
+                 f"{limit['threads']} threads; at {limit['gflop_per_token']:.2f} GFLOP of matmuls per token, fp32 "
+                 f"decode cannot pass **{limit['arithmetic_bound_tokens_per_s']:.0f} tokens/s** on this machine.")]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -202,7 +203,7 @@ def plot(run: dict[str, Any], png: Path) -> bool:
         if entry.get("skipped") or not any(reports):
             continue
         xs = [c for c, r in zip(levels, reports) if r]
-        style = dict(marker="o", linewidth=2.5 if system.startswith("tokenmill") else 1.5, label=system)
+        style = {"marker": "o", "linewidth": 2.5 if system.startswith("tokenmill") else 1.5, "label": system}
         throughput.plot(xs, [r["tokens_per_s"] for r in reports if r], **style)
         latency.plot(xs, [r["latency_p99"] for r in reports if r], **style)
     limit = [(c, limit_tokens_per_s(run, c)) for c in levels]

@@ -60,7 +60,7 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
     try:
         while len(finished) < total:
             in_flight = min(concurrency, total - len(finished))
-            prefilling = bool(engine.queue_size or engine.prefilling) or engine.batch_size < in_flight
+            prefilling = bool(engine.queue_size or engine.batch.prefilling) or engine.batch_size < in_flight
             times = prefill if prefilling else decode
             if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
                 times.append(profiled(engine.run_once))
@@ -159,13 +159,16 @@ def main() -> None:
     config = Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,
                     prefix_caching=args.prefix_caching,
-                    max_batch_prefill_tokens=args.max_batch_prefill_tokens, waiting_served_ratio=args.waiting_served_ratio)
+                    max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+                    waiting_served_ratio=args.waiting_served_ratio)
     started = start_ignoring_eos(config)  # resolves the limits left unset in config
     tokenizer = started.loaded.tokenizer
     prompt_ids = [chat_ids(tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
-    result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile, requests=args.requests)
-    print(f"{args.backend}, {started.loaded.dtype}, {args.requests or args.concurrency} requests, {args.concurrency} at "
-          f"a time (prefill budget {config.max_batch_prefill_tokens}, waiting-served ratio {config.waiting_served_ratio}): "
+    result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile,
+                 requests=args.requests)
+    print(f"{args.backend}, {started.loaded.dtype}, {args.requests or args.concurrency} requests, "
+          f"{args.concurrency} at a time (prefill budget {config.max_batch_prefill_tokens}, "
+          f"waiting-served ratio {config.waiting_served_ratio}): "
           f"{result['tokens_per_s']:.1f} tokens/s over {result['wall_s']:.1f} s; first token p50 "
           f"{result['ttft_p50_s']:.2f} s; latency p99 {result['latency_p99_s']:.1f} s; {result['prefill_steps']} steps "
           f"with prefill took {result['prefill_s']:.1f} s; {result['decode_steps']} decode steps, median "
@@ -175,7 +178,8 @@ def main() -> None:
         print(f"decode steps, medians: packing the inputs {result['decode_pack_ms_median']:.1f} ms, the model's "
               f"forward {result['decode_forward_ms_median']:.1f} ms, "
               + (f"naming full blocks for the prefix cache {prefix:.2f} ms, " if prefix is not None else "")
-              + f"the rest (sampling, stop checks, detokenization, scheduling) {result['decode_rest_ms_median']:.1f} ms")
+              + "the rest (sampling, stop checks, detokenization, scheduling) "
+              + f"{result['decode_rest_ms_median']:.1f} ms")
 
 
 if __name__ == "__main__":

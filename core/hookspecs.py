@@ -1,15 +1,17 @@
 """Every hook a tokenmill plugin can implement.
 
-Plugin kinds (backends, attention kernels, schedulers, KV allocators) are offered
+Plugin kinds (backends, attention kernels, schedulers, KV allocators, quantizers) are offered
 through the ``tokenmill_*s`` hooks: each returns a list of implementations, and the
 matching command-line flag picks one of them by ``name``. The other hooks let a
-plugin observe and extend the server. ``hooks.md`` documents each one for plugin
-authors; a test fails when a hook here is missing there.
+plugin observe and extend the server. The hook docstrings are written in Markdown:
+``.ci/hooks_reference.py`` renders them as the hook reference in ``hooks.md``, and a test
+fails when that page is stale.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -31,9 +33,53 @@ and its minor is not newer than this one, and is refused with both versions name
 def tokenmill_backends() -> list[Backend]:
     """Offer engine backends.
 
-    Called once when the plugin manager resolves ``--backend``.
-    Receives nothing. Returns a list of :class:`tokenmill.interfaces.Backend`
-    implementations; the one whose ``name`` equals ``--backend`` runs the model.
+    Called once when the plugin manager resolves `--backend`. Receives nothing. Returns a list of
+    `tokenmill.interfaces.Backend` implementations; the one whose `name` equals `--backend` runs the
+    model. Built in: `transformers`, `paged`, `flash`.
+
+    A backend declares the KV layout it needs (`kv_layout`) and its default attention kernel and
+    KV allocator (`default_attention`, `default_kv_allocator`). Its `model_unsupported_reason(model)`
+    says why it cannot run a loaded model (or None), and `create(model, kv_store, attention)` returns
+    a runner (`tokenmill.interfaces.BackendRunner`), whose only caller is the engine thread:
+
+    - `step(prefill, chunks, want_prompt_logits, decode) -> StepOutput` runs one engine step: it
+      prefills the next `chunks[i]` tokens of each `prefill` sequence and feeds each `decode`
+      sequence its newest token;
+    - `can_decode(seqs)`, `kv_free_tokens()`, `release(seqs)`, `reset()` and `kv_usage()`;
+    - the attribute `chunked_prefill`.
+
+    **Prefix caching.** A runner that reuses computed prompt prefixes (the paged runner, unless
+    `--no-prefix-caching`) sets `prefix_caching = True` and answers three more calls:
+
+    - `prefix_hit(seq, planned)` (read-only): the leading tokens of a sequence that holds no KV
+      memory whose blocks are cached, as a `PrefixHit`;
+    - `plan_prefill(seq, chunk)`, while the engine plans a step, for each prefill chunk in the order
+      they run: the sequence takes the cached blocks the engine counted in `seq.num_computed`, its
+      context is reserved, and the blocks full after the chunk are named, so that a later sequence of
+      the same step shares them; MemoryError when the pool is short, with nothing taken;
+    - `reset_prefix_cache()`, for `POST /reset_prefix_cache`.
+
+    tokenmill offers the cache to a runner with `enable_prefix_caching()` and
+    `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's `cache_salt`
+    and LoRA adapter make its blocks' names its own (`Sequence.cache_namespace`);
+    `tokenmill.engine.prefix` names blocks (`block_hash`, `full_block_hashes`, `BlockChain`).
+
+    **Mixed steps.** A backend whose steps prefill newcomers (in chunks) in the same forward as the
+    running batch decodes sets `mixed_steps = True` (the paged backends do). Its admission defaults
+    then differ from TGI's: `--waiting-served-ratio` 0, and on CPU at most 2048 prompt tokens a step.
+
+    **A compiled forward.** A runner may offer one with both of these methods:
+    `compile_unavailable_reason()` (why not here, or None) and `compile_forward()`, which makes later
+    steps run through `torch.compile`. tokenmill calls them before the warm-up (which then pays the
+    compile) unless `--no-compile-model` is given or the settings rule it out (sharding, LoRA,
+    quantization); the paged runner offers it on CPU, and falls back to its eager forward if the
+    compile fails.
+
+    **An engine of its own.** A backend that loads the model and schedules, samples and keeps KV
+    memory itself sets `owns_engine = True` and implements `create_engine(setup: EngineSetup)`
+    instead of `create`; it returns a subclass of `tokenmill.engine.Engine` that replaces `step()`.
+    `--attention`, `--kv-allocator` and `--block-size` do not apply to it. "A backend with an engine
+    of its own", under "Writing each kind" in `hooks.md`, says what tokenmill hands it and expects.
     """
 
 
@@ -41,9 +87,15 @@ def tokenmill_backends() -> list[Backend]:
 def tokenmill_attention_kernels() -> list[AttentionKernel]:
     """Offer attention kernels.
 
-    Called once when the plugin manager resolves ``--attention``.
-    Receives nothing. Returns a list of :class:`tokenmill.interfaces.AttentionKernel`
-    implementations; the one named by ``--attention`` is used by the backend.
+    Called once when the plugin manager resolves `--attention`. Receives nothing. Returns a list of
+    `tokenmill.interfaces.AttentionKernel` implementations; the one named by `--attention` is used by
+    the backend. Built in: `sdpa` (both layouts), `eager` (padded), `flash` (paged, CUDA).
+
+    A kernel lists the KV layouts it serves (`layouts`). For the padded layout it names the
+    `attn_implementation` transformers loads the model with (`transformers_name`); for the paged
+    layout it implements `paged_attention(query, key_cache, value_cache, step: PagedStep, scaling,
+    sliding_window)` over a packed step whose keys and values are already in the blocks, and may
+    require block sizes of a multiple (`block_size_multiple`).
     """
 
 
@@ -51,10 +103,31 @@ def tokenmill_attention_kernels() -> list[AttentionKernel]:
 def tokenmill_schedulers() -> list[Scheduler]:
     """Offer request schedulers.
 
-    Called once when the plugin manager resolves ``--scheduler``.
-    Receives nothing. Returns a list of :class:`tokenmill.interfaces.Scheduler`
-    implementations; the one named by ``--scheduler`` decides which waiting
-    requests join the running batch at each engine step.
+    Called once when the plugin manager resolves `--scheduler`. Receives nothing. Returns a list of
+    `tokenmill.interfaces.Scheduler` implementations; the one named by `--scheduler` decides which
+    waiting requests join the running batch at each engine step. Built in: `fifo` (TGI's rules) and
+    `priority` (class weight, aging and expected cost, with preemption).
+
+    A scheduler's `create(limits: BatchLimits)` returns the waiting queue
+    (`tokenmill.interfaces.SchedulerQueue`): `add`, `requeue` (for preempted sequences), `remove`,
+    `__len__`, `drain`, `pending()` (for `GET /queue`) and
+    `admit(holding, budget: StepBudget) -> list[Sequence]`.
+
+    `admit` is called every engine step with the sequences that hold KV memory and what the step can
+    still take in (prefill tokens, whether prompts may be chunked, free KV positions for a block pool,
+    and `prefix`, where a prefix-caching runner answers how much of a waiting sequence is cached), and
+    returns the waiting sequences to start now. `tokenmill.engine.admission.Room` does the accounting
+    of those limits, counting only the tokens and blocks the prefix cache does not hold, so a
+    scheduler only decides the order; `tokenmill.engine.admission.joins_now` is TGI's rule for when
+    newcomers may join a running batch.
+
+    A queue may also define `preempt(running, budget) -> list[Preemption]`: the engine calls it before
+    `admit` and sets aside the sequences it names, requeued to resume later with the same output. With
+    `keep_kv=True` a sequence only gives up its place in the batch (on a backend that can leave rows
+    out of a step); otherwise its KV memory is freed and recomputed.
+
+    Each `Sequence` carries its `request` (with `priority`, `max_new_tokens`), `prompt_len`,
+    `pending_len` and `arrived_at`.
     """
 
 
@@ -62,9 +135,23 @@ def tokenmill_schedulers() -> list[Scheduler]:
 def tokenmill_kv_allocators() -> list[KVAllocator]:
     """Offer KV-cache allocators.
 
-    Called once when the plugin manager resolves ``--kv-allocator``.
-    Receives nothing. Returns a list of :class:`tokenmill.interfaces.KVAllocator`
-    implementations; the one named by ``--kv-allocator`` owns the backend's KV memory.
+    Called once when the plugin manager resolves `--kv-allocator`. Receives nothing. Returns a list of
+    `tokenmill.interfaces.KVAllocator` implementations; the one named by `--kv-allocator` owns the
+    backend's KV memory. Built in: `dynamic` (transformers' DynamicCache), `paged` (a caching pool:
+    least recently used cached blocks are evicted once the free list is empty).
+
+    An allocator serves one KV layout (`layout`). Its
+    `create(model_config, dtype, device, max_tokens, block_size)` returns the store the backend keeps
+    keys and values in:
+
+    - for the padded layout, a `PaddedKVCache`: `new_cache`, `concat`, `select_rows`, `trim_left`,
+      `nbytes`;
+    - for the paged layout, a `BlockPool` of `max_tokens` positions: `layer`, `reserve`, `free`,
+      `free_all`, `free_blocks`, `blocks_of`, `bytes_per_block`.
+
+    A pool that also implements `CachingBlockPool` (`lookup`, `idle_among`, `share`, `name`, `unname`,
+    `drop_cached`, `cached_blocks`) keeps named blocks cached when their last holder lets go, and the
+    paged backends then cache prefixes with it; a plain `BlockPool` still works, without the cache.
     """
 
 
@@ -72,10 +159,24 @@ def tokenmill_kv_allocators() -> list[KVAllocator]:
 def tokenmill_quantizers() -> list[Quantizer]:
     """Offer quantizers.
 
-    Called once when the plugin manager resolves ``--quantize`` (or the
-    ``quant_method`` of a pre-quantized checkpoint). Receives nothing. Returns a
-    list of :class:`tokenmill.interfaces.Quantizer` implementations; the one whose
-    ``name`` equals ``--quantize`` loads or quantizes the model.
+    Called once when the plugin manager resolves `--quantize`, or when a checkpoint's `config.json`
+    names its own `quantization_config.quant_method` (as TGI does: a GPTQ checkpoint loads as `gptq`
+    without the flag). Receives nothing. Returns a list of `tokenmill.interfaces.Quantizer`
+    implementations; the one named by `--quantize`, or else the one whose `checkpoint_method` is the
+    checkpoint's `quant_method`, loads or quantizes the model. Built in: `int8`, `int4`, `gptq`,
+    `awq`, `bitsandbytes`, `bitsandbytes-nf4`, `bitsandbytes-fp4`, `fp8`; their layers live in
+    `tokenmill.model.quant_linears`, for plugins to reuse.
+
+    A quantizer does one of three things, each a method with a do-nothing default:
+
+    - `load(path, dtype, device, attn_implementation, trust_remote_code)` builds the model itself.
+      Checkpoints quantized by another tool need this (set `checkpoint_method` to the `quant_method`
+      you read).
+    - `from_pretrained_kwargs(dtype, device)` adds arguments to transformers' `from_pretrained`, such
+      as a `quantization_config`.
+    - `quantize(model)` changes the loaded model in place and returns a detail for the log.
+
+    Quantization is the `quantizing` load stage, and `/info` shows the method.
     """
 
 
@@ -83,21 +184,21 @@ def tokenmill_quantizers() -> list[Quantizer]:
 def tokenmill_load_stage(stage: str, seconds: float, detail: str) -> None:
     """Observe model loading.
 
-    Called in the loader thread each time a load stage ends, done or failed
-    (``resolving``, ``converting gguf``, ``loading weights``, ``quantizing``, ``warm-up``).
-    Receives the stage name, its duration in seconds and a short detail (the path,
-    or ``failed: <cause>``). Returns nothing.
+    Called in the loader thread each time a model-load stage ends, done or failed (`resolving`,
+    `converting gguf`, `loading weights`, `quantizing`, `warm-up`). Receives the stage name, its
+    duration in seconds and a short detail: the path, or `failed: <cause>`. Returns nothing. Use it to
+    export start-up timings.
     """
 
 
 @hookspec
 def tokenmill_request_started(request_id: str, inputs: str, parameters: dict[str, Any]) -> None:
-    """Observe a request that passed validation and entered the queue.
+    """Observe a request that passed validation and is handed to the engine.
 
-    Called on the HTTP event loop; it must not block.
-    Receives the request id (the ``X-Request-Id`` of the response and the logs), the prompt
-    text and the validated parameters.
-    Returns nothing.
+    Called on the HTTP event loop; it must not block. Receives the request id (the client's
+    `X-Request-Id` when it sent a usable one, else a new one; the response and every log line of the
+    request carry it), the prompt text and the parameters as the client sent them (less
+    `cache_salt`). Returns nothing.
     """
 
 
@@ -105,12 +206,12 @@ def tokenmill_request_started(request_id: str, inputs: str, parameters: dict[str
 def tokenmill_request_finished(
     request_id: str, finish_reason: str | None, generated_tokens: int, error: str | None
 ) -> None:
-    """Observe a request that ended: finished, failed, or cancelled by its client.
+    """Observe a request that ended: finished, failed, or cancelled because its client left.
 
-    Called on the HTTP event loop; it must not block.
-    Receives the request id, the finish reason (``length``, ``eos_token``,
-    ``stop_sequence``, or None when it failed or was cancelled), the number of
-    generated tokens and an error message (None on success). Returns nothing.
+    Called on the HTTP event loop; it must not block. Receives the request id, the finish reason
+    (`length`, `eos_token` or `stop_sequence`; None when it failed or was cancelled), the number of
+    generated tokens and an error message that says why it failed or was cancelled (None on success).
+    Returns nothing.
     """
 
 
@@ -120,11 +221,13 @@ def tokenmill_logits_processors(
 ) -> list[Callable[[list[int], Any], Any]]:
     """Add logits processors to one request.
 
-    Called once per sequence when it is admitted, in the engine thread.
-    Receives the request's validated parameters. Returns a list of callables
-    ``f(token_ids: list[int], logits: torch.Tensor[vocab]) -> torch.Tensor[vocab]``,
-    applied in order after tokenmill's penalties and the watermark, before the
-    grammar mask, temperature and truncation. ``token_ids`` holds the prompt and the tokens generated so far.
+    Called in the engine thread once per sequence, when it is admitted. Receives the request's
+    parameters (as `tokenmill_request_started` does). Returns a list of callables
+    `f(token_ids: list[int], scores: torch.Tensor) -> torch.Tensor` over one row of `[vocab]` scores,
+    applied in order after tokenmill's penalties and the watermark, and before the grammar mask,
+    temperature and top-k/p truncation (so a grammar still holds whatever a processor does).
+    `token_ids` holds the prompt and the tokens generated so far. An exception in a processor fails
+    only that request (424), never the batch.
     """
 
 
@@ -132,8 +235,8 @@ def tokenmill_logits_processors(
 def tokenmill_add_routes(app: falcon.asgi.App, server: Any) -> None:
     """Add HTTP routes.
 
-    Called once when the Falcon app is built, before it serves.
-    Receives the Falcon ASGI app and the server state (``server.config``, and
-    ``server.engine``, which is None until the model is loaded). Returns nothing;
-    call ``app.add_route``.
+    Called once when the Falcon app is built, before it serves. Receives the Falcon ASGI app and the
+    server state, a `tokenmill.http.app.ServerState`: `server.config` is the configuration,
+    `server.engine` the running engine (None until the model is loaded) and `server.loaded` the model
+    and tokenizer once loaded. Returns nothing; add routes with `app.add_route`.
     """

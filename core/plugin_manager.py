@@ -7,8 +7,9 @@ import importlib
 import importlib.metadata
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -108,7 +109,7 @@ def load_entry_point(pm: PluginManager, entry_point: importlib.metadata.EntryPoi
     except Exception as error:  # noqa: BLE001 - any import failure leaves this plugin out, not the server
         leave_out(pm, name, source, f"failed to import: {type(error).__name__}: {error}")
         return
-    refusal = version_refusal(plugin)
+    refusal = version_unavailable_reason(plugin)
     if refusal:
         leave_out(pm, name, source, refusal)
         return
@@ -131,7 +132,7 @@ def leave_out(pm: PluginManager, name: str, source: str, why: str) -> None:
     log.error("plugin %s (%s) left out: %s", name, source, why)
 
 
-def version_refusal(plugin: object) -> str | None:
+def version_unavailable_reason(plugin: object) -> str | None:
     """Why ``plugin`` cannot load with these hooks, from its ``tokenmill_hooks_version``; None if it can."""
     wanted = getattr(plugin, "tokenmill_hooks_version", None)
     if wanted is None:
@@ -211,7 +212,8 @@ def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
             return implementation
     broken = getattr(pm, "problems", {})
     hint = "; ".join(f"plugin {plugin}: {why}" for plugin, why in broken.items())
-    raise PluginError(f"unknown {flag} {name!r} (choices: {names})" + (f"; left out or failing: {hint}" if hint else ""))
+    raise PluginError(f"unknown {flag} {name!r} (choices: {names})"
+                      + (f"; left out or failing: {hint}" if hint else ""))
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 import torch
-
 from otlp_collector import Collector, running_collector
+
 from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
 
 

@@ -7,11 +7,10 @@ from typing import Any
 import pluggy
 import torch
 
-from tokenmill.engine.engine import Engine, eos_token_ids
+from tokenmill.engine import Engine, eos_token_ids
+from tokenmill.engine.sequence import Event, GenerationRequest, SamplingParams, TokenEvent
 from tokenmill.interfaces import BatchLimits
 from tokenmill.plugin_manager import build_plugin_manager, choose_all
-from tokenmill.engine.sequence import Event, GenerationRequest, SamplingParams, TokenEvent
-
 
 PROMPTS = [
     "Hello",

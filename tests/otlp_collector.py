@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gzip
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 
 @dataclass
@@ -26,7 +27,8 @@ class Collector:
         return match
 
     def children(self, parent: Any) -> list[Any]:
-        found = [span for span in self.spans if span.parent_span_id == parent.span_id and span.trace_id == parent.trace_id]
+        found = [span for span in self.spans
+                 if span.parent_span_id == parent.span_id and span.trace_id == parent.trace_id]
         return sorted(found, key=lambda span: span.start_time_unix_nano)
 
 

@@ -6,9 +6,9 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
@@ -303,8 +303,9 @@ def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_th
 
 def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_counters(tiny_model_dir: Path,
                                                                                       tmp_path: Path) -> None:
-    from bench import multiturn
     from conftest import start_server
+
+    from bench import multiturn
 
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "1024",
                            "--backend", "paged"], tmp_path)
@@ -327,18 +328,19 @@ def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_cou
         "settings": {"conversations": 3, "turns": 3, "max_tokens": 4, "system_tokens": 40, "repeats": 1}}
     section = multiturn.render(run, "results/multiturn.png")
     assert "| tokenmill-paged |" in section and "**0.50×** vLLM's" in section
-    assert multiturn.plot(run, tmp_path / "multiturn.png") and (tmp_path / "multiturn.png").read_bytes()[:4] == b"\x89PNG"
+    assert multiturn.plot(run, tmp_path / "multiturn.png")
+    assert (tmp_path / "multiturn.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_engine_side_multiturn_load_splits_its_steps(tiny_model_dir: Path) -> None:
     from bench import multiturn_steps
     from tokenmill.config import Config
+    from tokenmill.engine.startup import start_engine
     from tokenmill.model.loading import Stages
     from tokenmill.plugin_manager import build_plugin_manager
-    from tokenmill.engine.startup import start_engine
 
     started = start_engine(Config(model_id=str(tiny_model_dir), backend="paged", compile_model=False),
                            build_plugin_manager(autoload=False), Stages())
     result = multiturn_steps.converse(started.engine, started.loaded.tokenizer, "You are a tiny model. " * 8, 3, 2, 4)
     assert result["prefill"] and result["decode"] and "prefix" in result["decode_phases_ms"]
-    assert started.engine.prefix_hit_tokens > 0 and started.engine.batch_size == 0
+    assert started.engine.batch.prefix_hit_tokens > 0 and started.engine.batch_size == 0

@@ -7,6 +7,7 @@ import json
 import jsonschema
 import pytest
 
+from tokenmill.http.openai import StopHoldback
 from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
@@ -16,7 +17,6 @@ from tokenmill.http.openai.chat import (
     tool_call_schema,
     tools_to_offer,
 )
-from tokenmill.http.openai import StopHoldback
 
 TOOLS = parse_tools([
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -36,7 +36,8 @@ def test_a_tokenizer_without_a_chat_template_is_refused_with_the_way_out():
 
 def test_messages_accept_text_parts_and_map_developer_to_system():
     messages = parse_messages([{"role": "developer", "content": "Be brief."},
-                               {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+                               {"role": "user",
+                                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
     with pytest.raises(ChatError, match=r"messages\[0\].role"):
         parse_messages([{"role": "wizard", "content": "x"}])

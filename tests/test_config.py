@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -44,9 +45,12 @@ def test_legacy_max_input_length_sets_max_input_tokens():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-input-tokens", "100", "--max-total-tokens", "100"], "--max-total-tokens (100) must be greater than --max-input-tokens (100)"),
-    (["--backend", "transformers", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "50"], "--max-batch-prefill-tokens (50) must be >= --max-input-tokens (100) for a backend that prefills whole prompts"),
-    (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"], "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
+    (["--max-input-tokens", "100", "--max-total-tokens", "100"],
+     "--max-total-tokens (100) must be greater than --max-input-tokens (100)"),
+    (["--backend", "transformers", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "50"],
+     "--max-batch-prefill-tokens (50) must be >= --max-input-tokens (100) for a backend that prefills whole prompts"),
+    (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"],
+     "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be > 0"),
     (["--dtype", "int3"], "--dtype must be float16, bfloat16 or float32"),
     (["--enable-profiling"], "--enable-profiling needs --api-key"),
@@ -63,10 +67,10 @@ def test_contradictions_fail(argv, message):
 
 def test_limits_follow_the_model_context_when_unset():
     config = Config()
-    config.resolve_limits(model_max_positions=8192)
+    config = config.with_limits(model_max_positions=8192)
     assert (config.max_total_tokens, config.max_input_tokens, config.max_batch_prefill_tokens) == (4096, 4095, 4145)
     small = Config()
-    small.resolve_limits(model_max_positions=512)
+    small = small.with_limits(model_max_positions=512)
     assert (small.max_total_tokens, small.max_input_tokens) == (512, 511)
     assert small.max_batch_total_tokens >= small.max_total_tokens
 
@@ -80,11 +84,13 @@ def run_launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     (["--max-input-tokens", "10", "--max-total-tokens", "5"], None, "must be greater than --max-input-tokens"),
     (["--backend", "warp-drive"], None, "unknown --backend 'warp-drive' (choices: auto, flash, paged, transformers)"),
     (["--backend", "flash"], None, "--backend flash is not available here: needs CUDA"),
-    (["--backend", "paged", "--attention", "eager"], None, "--attention eager cannot serve the paged layout of --backend paged (choices: flash, sdpa)"),
+    (["--backend", "paged", "--attention", "eager"], None,
+     "--attention eager cannot serve the paged layout of --backend paged (choices: flash, sdpa)"),
     (["--backend", "paged", "--kv-allocator", "dynamic"], None, "--kv-allocator dynamic cannot serve the paged layout"),
     (["--backend", "transformers", "--attention", "flash"], None, "--attention flash is not available here"),
     (["--attention", "nope"], None, "unknown --attention 'nope' (choices: eager, flash, sdpa)"),
-    (["--model-id", "/no/such/model"], None, "is not a local directory or .gguf file and is not in the local Hugging Face cache"),
+    (["--model-id", "/no/such/model"], None,
+     "is not a local directory or .gguf file and is not in the local Hugging Face cache"),
     ([], {"MAX_TOTAL_TOKENS": "lots"}, "MAX_TOTAL_TOKENS='lots' is not a valid int"),
 ])
 def test_launch_fails_at_start_with_one_clear_line(args, env, expected):
@@ -97,23 +103,32 @@ def test_launch_fails_at_start_with_one_clear_line(args, env, expected):
 
 def test_a_backend_with_mixed_steps_admits_at_once_and_prefills_2048_tokens_a_step_on_cpu():
     config = Config(max_total_tokens=8192)
-    config.resolve_limits(8192, mixed_steps=True, on_cpu=True)
+    config = config.with_limits(8192, mixed_steps=True, on_cpu=True)
     assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (2048, 0.0)
     on_gpu = Config(max_total_tokens=8192)
-    on_gpu.resolve_limits(8192, mixed_steps=True, on_cpu=False)
+    on_gpu = on_gpu.with_limits(8192, mixed_steps=True, on_cpu=False)
     assert (on_gpu.max_batch_prefill_tokens, on_gpu.waiting_served_ratio) == (8191 + 50, 0.0)
 
 
 def test_a_backend_that_prefills_whole_prompts_keeps_tgi_s_rules():
     config = Config(max_total_tokens=8192)
-    config.resolve_limits(8192, mixed_steps=False, on_cpu=True)
+    config = config.with_limits(8192, mixed_steps=False, on_cpu=True)
     assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (8191 + 50, 0.3)
 
 
 def test_settings_given_are_kept_and_only_whole_prompt_backends_need_a_budget_of_the_longest_prompt():
     config = parse_config(["--max-input-tokens", "100", "--max-batch-prefill-tokens", "50",
                            "--waiting-served-ratio", "1.2"], env={})
-    config.resolve_limits(4096, mixed_steps=True, on_cpu=True)
+    config = config.with_limits(4096, mixed_steps=True, on_cpu=True)
     assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (50, 1.2)
     with pytest.raises(ConfigError, match="for a backend that prefills whole prompts"):
-        config.resolve_limits(4096, mixed_steps=False)
+        config = config.with_limits(4096, mixed_steps=False)
+
+
+def test_a_config_is_frozen_and_settling_its_limits_makes_a_new_one():
+    config = parse_config(["--max-total-tokens", "512"], env={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_total_tokens = 1024  # type: ignore[misc]
+    settled = config.with_limits(model_max_positions=2048, kv_tokens=8192)
+    assert (config.max_input_tokens, config.max_batch_total_tokens) == (None, None)
+    assert (settled.max_input_tokens, settled.max_batch_total_tokens) == (511, 8192)

@@ -54,9 +54,8 @@ def test_packing_is_a_setting_that_defaults_on():
 
 
 def test_a_packed_model_in_the_paged_engine_gives_generates_greedy_tokens(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import start_server
 from engine_helpers import Collector, build_engine, reference_greedy
+
+from tokenmill.engine.sequence import GenerationRequest, SamplingParams
 from tokenmill.model.cpu_linears import pack_linears
 from tokenmill.model.loading import DEFAULT_MODEL_FILE, converted_gguf, default_gguf
-from tokenmill.engine.sequence import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

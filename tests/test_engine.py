@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 
 import tokenmill
-from tokenmill.plugin_manager import build_plugin_manager
 from tokenmill.engine.sequence import ErrorEvent, SamplingParams
+from tokenmill.plugin_manager import build_plugin_manager
 
-from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 
 def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
     model, tokenizer = tiny_model
@@ -232,16 +232,16 @@ def test_a_stop_sequence_can_match_a_special_token(tiny_model):
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 10, stop=("<|im_end|>",), parameters={"force": True}), sink)
     run_until_done(engine, [sink])
     assert sink.final.finish_reason == "stop_sequence" and sink.token_ids[-1] == 2 and len(sink.token_ids) == 3
-    last = [e for e in sink.events][-1].token
+    last = list(sink.events)[-1].token
     assert last.special and last.text == "<|im_end|>"
     assert "<|im_end|>" not in sink.final.generated_text
 
 
 def test_warmup_fits_a_small_prefill_budget_and_fails_clearly_when_nothing_fits(tiny_model):
     model, tokenizer = tiny_model
-    build_engine(model, tokenizer, max_batch_prefill_tokens=8).warmup(8, 49152)
+    build_engine(model, tokenizer, max_batch_prefill_tokens=8).warm_up(8, 49152)
     with pytest.raises(RuntimeError, match="did not finish"):
-        build_engine(model, tokenizer, max_batch_prefill_tokens=4).warmup(8, 49152, max_steps=5)
+        build_engine(model, tokenizer, max_batch_prefill_tokens=4).warm_up(8, 49152, max_steps=5)
 
 
 class FlakyRunner:

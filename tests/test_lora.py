@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-
-from bench.lora import write_random_adapter
 from conftest import RunningServer, start_server
 from engine_helpers import PROMPTS, reference_greedy
+
+from bench.lora import write_random_adapter
 
 peft = pytest.importorskip("peft", reason="the LoRA tests make their adapters with peft")
 

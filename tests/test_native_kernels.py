@@ -70,7 +70,8 @@ def test_a_nan_in_the_keys_gives_nan_for_the_heads_that_read_it_and_no_others(di
     context_lens = [9, 9]
     keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=dim, dtype=torch.float32)
     keys[tables[0, 1], 2, 1, 0] = float("nan")  # sequence 0, position 6, KV head 1
-    got = native_kernels.paged_decode(torch.randn(2, 4, dim), keys, values, tables, torch.tensor(context_lens), None, 0.25)
+    got = native_kernels.paged_decode(torch.randn(2, 4, dim), keys, values, tables, torch.tensor(context_lens), None,
+                                      0.25)
     assert got[0, 2:].isnan().all() and not got[0, :2].isnan().any() and not got[1].isnan().any()
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import jsonschema
 import openai
 import pytest
-
 from conftest import RunningServer, start_server
+
 from tokenmill.sampling.watermark import detect_text
 
 pytestmark = pytest.mark.slow

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from conftest import RunningServer, free_port, launch_server, start_server
 from otlp_collector import attributes
 
@@ -194,8 +194,8 @@ def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drai
 
 
 def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
-    from tokenmill.http import app as server
     from tokenmill.config import parse_config
+    from tokenmill.http import app as server
     from tokenmill.http.serve import gunicorn_options
 
     options = gunicorn_options(parse_config(["--graceful-termination-timeout", "45", "--hostname", "::1",

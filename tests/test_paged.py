@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
+
 from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all
 
 
@@ -33,7 +33,7 @@ def run(engine, requests) -> tuple[list[Collector], dict[str, int]]:
         engine.run_once()
         seen["steps"] += 1
         seen["max_batch"] = max(seen["max_batch"], engine.batch_size)
-        seen["max_prefilling"] = max(seen["max_prefilling"], len(engine.prefilling))
+        seen["max_prefilling"] = max(seen["max_prefilling"], len(engine.batch.prefilling))
     return sinks, seen
 
 
@@ -202,8 +202,8 @@ def test_flash_is_refused_on_cpu_with_the_reason_and_auto_picks_paged():
 def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, expected, tiny_model_dir,
                                                                       monkeypatch):
     from tokenmill.config import parse_config
-    from tokenmill.model.loading import ModelLoadError
     from tokenmill.http.app import ServerState
+    from tokenmill.model.loading import ModelLoadError
     from tokenmill_plugins.backends.paged import PagedBackend
 
     monkeypatch.setattr(PagedBackend, "model_unsupported_reason", lambda self, model: "no AttentionInterface")
@@ -252,7 +252,8 @@ def test_a_request_as_long_as_the_whole_pool_runs_alone_and_the_queue_moves_on(p
     assert_pool_empty(engine)
 
 
-def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_joins_and_single_rows(paged_model, tiny_model):
+def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_joins_and_single_rows(
+        paged_model, tiny_model):
     _, tokenizer = tiny_model
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
     engine.runner.compile_forward()
@@ -284,8 +285,8 @@ def test_the_paged_runner_compiles_unless_sharding_lora_or_a_quantizer_rule_it_o
     from types import SimpleNamespace
 
     from tokenmill.config import Config
+    from tokenmill.model.compile import compile_unavailable_reason
     from tokenmill.model.lora import install
-    from tokenmill.engine.startup import compile_unavailable_reason
 
     if lora:
         install(paged_model)
@@ -321,7 +322,7 @@ def test_the_transformers_runner_runs_eagerly(tiny_model):
     from types import SimpleNamespace
 
     from tokenmill.config import Config
-    from tokenmill.engine.startup import compile_unavailable_reason
+    from tokenmill.model.compile import compile_unavailable_reason
 
     engine = build_engine(tiny_model[0], tiny_model[1], backend="transformers")
     assert compile_unavailable_reason(Config(), SimpleNamespace(model=tiny_model[0]), engine.runner) == \
@@ -331,8 +332,8 @@ def test_the_transformers_runner_runs_eagerly(tiny_model):
 @pytest.mark.parametrize("backend, budget, ratio", [("paged", 2048, 0.0), ("transformers", 2047 + 50, 0.3)])
 def test_start_up_gives_a_backend_with_mixed_steps_its_admission_defaults(backend, budget, ratio, tiny_model_dir):
     from tokenmill.config import Config
-    from tokenmill.model.loading import Stages
     from tokenmill.engine.startup import start_engine
+    from tokenmill.model.loading import Stages
 
     config = Config(model_id=str(tiny_model_dir), backend=backend, compile_model=False, max_total_tokens=2048,
                     max_batch_total_tokens=8192)

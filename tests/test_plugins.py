@@ -106,8 +106,8 @@ def test_tokenmill_plugins_command_prints_every_implementation(third_party_plugi
 def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_first():
     import types
 
-    from tokenmill.interfaces import BatchLimits, StepBudget
     from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
+    from tokenmill.interfaces import BatchLimits, StepBudget
 
     text = (ROOT / "hooks.md").read_text()
     [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "ShortestFirst" in block]
@@ -191,7 +191,8 @@ def test_broken_plugins_are_left_out_with_one_line_each_and_the_rest_keep_workin
     assert choose(pm, "scheduler", "quick").name == "quick"  # a good plugin beside them loads
     assert choose(pm, "scheduler", "fifo").name == "fifo"  # and so do the built-ins
     left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
-    assert len(left_out) == 3 and any(m.startswith("plugin broken (broken_import-plugin 1.0) left out") for m in left_out)
+    assert len(left_out) == 3
+    assert any(m.startswith("plugin broken (broken_import-plugin 1.0) left out") for m in left_out)
 
 
 def test_a_hook_that_raises_is_named_and_skipped_and_fails_only_a_choice_of_its_own(misbehaving_plugins, caplog):

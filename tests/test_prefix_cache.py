@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
-from tokenmill.interfaces import StepBudget
+
 from tokenmill.engine.prefix import BlockChain, block_hash, full_block_hashes
 from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
+from tokenmill.interfaces import StepBudget
 
 SYSTEM = ("You are a careful assistant for a public library. Answer every question in full sentences, name the books "
-          "and articles you draw on, keep to what the sources say, and say so plainly when you do not know. Prefer short "
-          "paragraphs, avoid jargon, and never invent a citation. ")
+          "and articles you draw on, keep to what the sources say, and say so plainly when you do not know. Prefer "
+          "short paragraphs, avoid jargon, and never invent a citation. ")
 SHARED = 48
 """Tokens of ``SYSTEM + question`` that another question's prompt takes from the cache: the 57 tokens
 they share, in whole blocks of 16 (checked by :func:`test_the_prompts_share_three_blocks`)."""
@@ -206,7 +206,7 @@ def test_a_repeated_prompt_takes_its_blocks_from_the_cache_and_generates_the_sam
     reusable = (prompt_len - 1) // 16 * 16  # whole blocks, the last token always computed
     assert [s.final.cached_tokens for s in cached] == [0, reusable, reusable]
     assert [s.final.cached_tokens for s in plain] == [0, 0, 0]
-    assert engine.prefix_queried_tokens == 3 * prompt_len and engine.prefix_hit_tokens == 2 * reusable
+    assert engine.batch.prefix_queried_tokens == 3 * prompt_len and engine.batch.prefix_hit_tokens == 2 * reusable
     assert_pool_at_rest(engine)
 
 
@@ -307,8 +307,8 @@ def test_preempted_sequences_resume_from_what_is_still_cached(fresh_model, tiny_
     for prompt, sink in zip(prompts, cached):
         assert sink.token_ids == reference_greedy(model, tokenizer, prompt, 40)
     queried_once = sum(len(r.input_ids) for r in requests)
-    assert engine.prefix_queried_tokens > queried_once  # the preempted ones were looked up again ...
-    assert engine.prefix_hit_tokens > sum(s.final.cached_tokens for s in cached)  # ... and found blocks
+    assert engine.batch.prefix_queried_tokens > queried_once  # the preempted ones were looked up again ...
+    assert engine.batch.prefix_hit_tokens > sum(s.final.cached_tokens for s in cached)  # ... and found blocks
     assert_pool_at_rest(engine)
 
 
@@ -363,7 +363,8 @@ def test_prompt_details_compute_the_whole_prompt_and_still_fill_the_cache(fresh_
     details = [[(t.id, t.logprob) for t in sink.final.prefill] for sink in (plain[1], cached[1])]
     assert len(details[1]) == len(requests[1].input_ids)
     assert [i for i, _ in details[1]] == [i for i, _ in details[0]]
-    assert torch.allclose(torch.tensor([lp for _, lp in details[1][1:]]), torch.tensor([lp for _, lp in details[0][1:]]))
+    assert torch.allclose(torch.tensor([lp for _, lp in details[1][1:]]),
+                          torch.tensor([lp for _, lp in details[0][1:]]))
     assert_pool_at_rest(engine)
 
 
@@ -388,8 +389,8 @@ def test_seeded_sampling_watermark_and_grammar_are_unaffected_by_the_cache(fresh
         "answer": {"type": "string"}}, "required": ["answer"]})
     prompt = SYSTEM + QUESTIONS[3]
     sampled = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=7)
-    variants = [dict(sampling=sampled), dict(sampling=SamplingParams(watermark=True)), dict(grammar=grammar),
-                dict(sampling=SamplingParams(do_sample=True, seed=11, repetition_penalty=1.3))]
+    variants = [{"sampling": sampled}, {"sampling": SamplingParams(watermark=True)}, {"grammar": grammar},
+                {"sampling": SamplingParams(do_sample=True, seed=11, repetition_penalty=1.3)}]
     requests = [greedy_request(tokenizer, prompt, 12, **variant) for variant in variants for _ in (0, 1)]
     plain, cached, engine = run_both(fresh_model, tokenizer, requests)
     assert [s.token_ids for s in cached] == [s.token_ids for s in plain]
@@ -478,7 +479,8 @@ def caching_server(tiny_model_dir, tmp_path_factory):
 def generate(server, prompt: str, headers: dict | None = None, **parameters) -> dict:
     with server.client() as client:
         answer = client.post("/generate", headers=AUTH if headers is None else headers,
-                             json={"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True, **parameters}})
+                             json={"inputs": prompt,
+                                   "parameters": {"max_new_tokens": 4, "details": True, **parameters}})
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -593,7 +595,6 @@ def test_reset_prefix_cache_wants_the_api_key_and_drops_the_cached_blocks(cachin
 
 def test_prefix_caching_0_turns_the_cache_off(tiny_model_dir, tmp_path):
     import openai
-
     from conftest import start_server
 
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
@@ -626,8 +627,8 @@ def test_the_flag_and_tgis_environment_name_turn_it_on_and_off():
 
 def test_the_transformers_backend_says_it_keeps_no_prefix_cache(tiny_model):
     from tokenmill.config import Config
-    from tokenmill.plugin_manager import build_plugin_manager, choose_all
     from tokenmill.engine.startup import prefix_caching_unavailable_reason
+    from tokenmill.plugin_manager import build_plugin_manager, choose_all
 
     model, _ = tiny_model
     chosen = choose_all(build_plugin_manager(autoload=False), "transformers", None, None, "fifo", None)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+
 from tokenmill.model.loading import load_model
-from tokenmill.plugin_manager import build_plugin_manager
 from tokenmill.model.quant_linears import Int4Linear, quantize_int4, weight_bytes, write_packed_checkpoint
-from tokenmill.engine.startup import choose_quantizer
+from tokenmill.model.quantization import choose_quantizer
+from tokenmill.plugin_manager import build_plugin_manager
 from tokenmill_plugins.quantizers import awq, gptq
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None

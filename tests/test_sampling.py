@@ -7,8 +7,8 @@ import math
 import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.sampling.sampler import SequenceSampler, uses_sampling, warp
 from tokenmill.engine.sequence import SamplingParams
+from tokenmill.sampling.sampler import SequenceSampler, uses_sampling, warp
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
 

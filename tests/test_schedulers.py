@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from tokenmill.engine.admission import Room
+from tokenmill.engine.queue import WaitingQueue
+from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams, Sequence
+from tokenmill.engine.stream import CallbackStream
 from tokenmill.interfaces import BatchLimits, Preemption, StepBudget
-from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 from tokenmill_plugins.schedulers.fifo import FifoQueue
 from tokenmill_plugins.schedulers.priority import PriorityQueue
 
@@ -33,7 +35,146 @@ def budget(prefill: int = 100, free_tokens: int | None = None, block_size: int =
     return StepBudget(prefill, chunked=False, kv_free_tokens=free_tokens, block_size=block_size)
 
 
+# ---- the base queue: what every scheduler gets by subclassing WaitingQueue ------------------------
+
+
+class ShortestFirst(WaitingQueue):
+    """A third-party scheduler's queue: the ordering only; the bookkeeping and ``admit`` are inherited."""
+
+    def key(self, seq: Sequence) -> int:
+        return seq.pending_len
+
+
+class ByClass(WaitingQueue):
+    """Ordering by class only: within a class the line order decides (requeued first, then arrival)."""
+
+    def key(self, seq: Sequence) -> int:
+        return PRIORITY_CLASSES.index(seq.request.priority)
+
+
+def test_a_subclass_supplying_only_an_order_serves_every_call_the_engine_makes():
+    queue = ShortestFirst(limits())
+    long, short, middle = fake(30), fake(5), fake(10)
+    for seq in (long, short, middle):
+        queue.add(seq)
+    assert len(queue) == 3
+    assert queue.pending() == [short, middle, long] and len(queue) == 3  # pending changes nothing
+    assert queue.admit([], budget(prefill=20)) == [short, middle]  # `long` is next and does not fit
+    assert queue.pending() == [long]
+    queue.requeue(short)  # preempted: it waits again and competes by its key
+    assert queue.pending() == [short, long]
+    assert queue.remove(long) is True and queue.remove(long) is False  # a cancelled request, once
+    assert queue.pending() == [short]
+    assert queue.drain() == [short] and len(queue) == 0 and queue.pending() == []
+
+
+def test_the_default_order_is_the_line_requeued_sequences_first_the_latest_requeued_first():
+    queue = WaitingQueue(limits())
+    new, older, oldest = fake(5), fake(5), fake(5)
+    queue.add(new)
+    queue.requeue(older)
+    queue.requeue(oldest)  # the engine requeues the latest arrival first when it preempts several
+    assert queue.pending() == [oldest, older, new]
+    assert queue.admit([], budget()) == [oldest, older, new]
+
+
+def test_requeued_sequences_go_first_among_those_of_equal_key():
+    queue = ByClass(limits())
+    low, normal_first, normal_second, high = fake(5, priority="low"), fake(5), fake(5), fake(5, priority="high")
+    for seq in (low, normal_first, normal_second, high):
+        queue.add(seq)
+    assert queue.admit([], budget(prefill=5)) == [high]
+    queue.requeue(resumed := fake(5, at=900.0))
+    assert queue.pending() == [resumed, normal_first, normal_second, low]
+    queue.requeue(high)  # still the only high one: the class decides first
+    assert queue.pending() == [high, resumed, normal_first, normal_second, low]
+
+
+def test_the_default_admit_never_skips_past_the_first_sequence_that_does_not_fit():
+    queue = WaitingQueue(limits(max_batch_size=3))
+    first, too_long, small = fake(60), fake(50), fake(5)
+    for seq in (first, too_long, small):
+        queue.add(seq)
+    assert queue.admit([], budget(prefill=100)) == [first]
+    assert queue.admit([fake(5), fake(5)], budget(prefill=100)) == [too_long]  # one seat left
+    assert queue.pending() == [small]
+
+
+def test_fitting_and_take_are_the_parts_of_admit_a_subclass_can_reuse():
+    class EveryOtherStep(WaitingQueue):
+        """Admits what fits, but only on every other call: its own rule on top of the inherited parts."""
+
+        def __init__(self, batch_limits: BatchLimits) -> None:
+            super().__init__(batch_limits)
+            self.calls = 0
+
+        def admit(self, holding: list[Sequence], step: StepBudget) -> list[Sequence]:
+            self.calls += 1
+            ready = self.fitting(holding, step)
+            return self.take(ready) if self.calls % 2 == 0 else []
+
+    queue = EveryOtherStep(limits())
+    queue.add(first := fake(40))
+    queue.add(second := fake(40))
+    queue.add(fake(40))
+    assert queue.fitting([], budget(prefill=100)) == [first, second] and len(queue) == 3  # nothing removed
+    assert queue.admit([], budget(prefill=100)) == []
+    assert queue.admit([], budget(prefill=100)) == [first, second] and len(queue) == 1
+
+
+def test_a_waiting_queue_preempts_nothing_unless_its_subclass_says_how():
+    # The engine asks a queue to preempt only when it has a ``preempt`` method.
+    assert not hasattr(WaitingQueue(limits()), "preempt")
+    assert not hasattr(FifoQueue(limits()), "preempt")
+    assert callable(PriorityQueue(limits()).preempt)
+
+
+def test_removing_a_sequence_that_is_not_waiting_changes_nothing():
+    queue = WaitingQueue(limits())
+    queue.add(waiting := fake(5))
+    assert queue.remove(fake(5)) is False
+    assert queue.pending() == [waiting]
+
+
+def test_the_built_in_queues_are_waiting_queues():
+    assert isinstance(FifoQueue(limits()), WaitingQueue)
+    assert isinstance(PriorityQueue(limits()), WaitingQueue)
+
+
+def test_a_third_party_waiting_queue_drives_the_engine_to_the_same_tokens(tiny_model):
+    from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True, max_batch_size=1)
+    engine.queue = ShortestFirst(engine.queue.limits)
+    prompts = [PROMPTS[6], PROMPTS[0], PROMPTS[1]]  # longest first: they start shortest first
+    collectors = [Collector() for _ in prompts]
+    for prompt, collector in zip(prompts, collectors):
+        engine.submit(greedy_request(tokenizer, prompt, 4), collector)
+    engine.run_once()
+    assert [e["prompt_tokens"] for e in engine.queue_view()["pending"]] == sorted(
+        len(tokenizer(p)["input_ids"]) for p in (PROMPTS[6], PROMPTS[1]))
+    finished = []
+    while not all(c.done for c in collectors):
+        engine.run_once()
+        finished += [i for i, c in enumerate(collectors) if c.done and i not in finished]
+    assert finished == [1, 2, 0]
+    for prompt, collector in zip(prompts, collectors):
+        assert collector.token_ids == reference_greedy(model, tokenizer, prompt, 4)
+    assert len(engine.queue) == 0
+
+
 # ---- fifo -------------------------------------------------------------------------------------
+
+
+def test_fifo_puts_requeued_sequences_at_the_head_of_the_line():
+    queue = FifoQueue(limits())
+    queue.add(waiting := fake(5))
+    queue.add(preempted := fake(5))
+    assert queue.admit([], budget(prefill=5)) == [waiting]
+    queue.add(newcomer := fake(5))
+    queue.requeue(waiting)
+    assert queue.pending() == [waiting, preempted, newcomer]
 
 
 def test_fifo_admits_in_arrival_order_until_the_first_request_that_does_not_fit():
@@ -90,6 +231,20 @@ def test_priority_serves_high_then_normal_then_low_and_short_before_long():
     assert queue.ordered() == [high, normal_short, normal_long, low]
     assert queue.admit([], budget(prefill=20)) == [high, normal_short]  # normal_long is next and does not fit
     assert queue.admit([], budget(prefill=100)) == [normal_long, low]
+
+
+def test_priority_places_a_requeued_sequence_by_its_weight_with_its_original_arrival_time():
+    clock = FakeClock()
+    queue = PriorityQueue(limits(), clock)
+    queue.add(early := fake(5, at=clock.now))
+    clock.now += 5.0
+    queue.add(later := fake(5, at=clock.now))
+    assert queue.admit([], budget(prefill=5)) == [early]
+    clock.now += 5.0
+    queue.add(newcomer := fake(5, at=clock.now))
+    queue.add(high := fake(5, priority="high", at=clock.now))
+    queue.requeue(early)  # it aged the longest, but a high one still outweighs it
+    assert queue.pending() == [high, early, later, newcomer]
 
 
 def run_flood(queue: PriorityQueue, clock: FakeClock, low: Sequence, steps: int) -> int | None:
@@ -149,9 +304,8 @@ def test_waiting_only_for_this_steps_prefill_budget_preempts_nothing():
 
 def test_a_suspended_sequence_keeps_its_kv_and_resumes_with_the_tokens_it_would_have_had(tiny_model,
                                                                                        tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
     from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+    from transformers import AutoModelForCausalLM
 
     model, tokenizer = tiny_model
     paged_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -197,16 +351,16 @@ def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_had(tiny_mod
 
 
 def test_a_slow_reader_pauses_only_its_own_sequence_and_resumes_with_the_same_tokens(tiny_model, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
     from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+    from transformers import AutoModelForCausalLM
 
     model, tokenizer = tiny_model
     paged_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # paged attention takes it over
     engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, stream_buffer_tokens=4)
     slow, fast = Collector(), Collector()
     read = 0
-    engine.submit(greedy_request(tokenizer, PROMPTS[0], 12), slow, backlog=lambda: len(slow.events) - read)
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 12),
+                  CallbackStream(slow, unsent=lambda: len(slow.events) - read))
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 12), fast)
     for _ in range(14):
         engine.run_once()
@@ -226,7 +380,7 @@ def test_the_padded_batch_cannot_leave_a_row_out_so_it_keeps_decoding_a_slow_rea
     model, tokenizer = tiny_model
     engine = build_engine(model, tokenizer, ignore_eos=True, stream_buffer_tokens=4)
     slow = Collector()
-    engine.submit(greedy_request(tokenizer, PROMPTS[0], 8), slow, backlog=lambda: len(slow.events))
+    engine.submit(greedy_request(tokenizer, PROMPTS[0], 8), CallbackStream(slow, unsent=lambda: len(slow.events)))
     while not slow.done:
         engine.run_once()
     assert len(slow.token_ids) == 8

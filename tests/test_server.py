@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from conftest import start_server
 from engine_helpers import PROMPTS, reference_greedy
+
 
 def reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     return reference_greedy(model, tokenizer, prompt, max_new_tokens, eos_token_id=2)
@@ -90,8 +90,8 @@ def test_truncate_keeps_the_last_tokens(tiny_server, tiny_model):
 
 
 def test_sampling_with_a_seed_is_reproducible_and_reports_the_seed(tiny_server):
-    params = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_p=0.9, top_k=40, typical_p=0.95,
-                  repetition_penalty=1.1, frequency_penalty=0.2, seed=42, details=True)
+    params = {"max_new_tokens": 10, "do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 40,
+              "typical_p": 0.95, "repetition_penalty": 1.1, "frequency_penalty": 0.2, "seed": 42, "details": True}
     with tiny_server.client() as client:
         first, second = (generate(client, PROMPTS[2], **params).json() for _ in range(2))
     assert first["generated_text"] == second["generated_text"]
@@ -394,8 +394,8 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
     import asyncio
 
     from tokenmill.config import parse_config
-    from tokenmill.plugin_manager import build_plugin_manager
     from tokenmill.http.app import create_app
+    from tokenmill.plugin_manager import build_plugin_manager
 
     config = parse_config(["--model-id", str(tiny_model_dir), "--backend", "paged", "--stream-buffer-tokens", "4",
                            "--max-total-tokens", "512", "--max-input-tokens", "64", "--no-compile-model"], env={})

@@ -12,9 +12,9 @@ import httpx
 import psutil
 import pytest
 import torch
-
 from conftest import free_port, start_server
 from engine_helpers import PROMPTS
+
 from tokenmill.model.sharding import ShardingError, even_split, plan_slice
 
 
@@ -94,7 +94,7 @@ def test_two_shards_share_cached_prefixes_and_give_the_tokens_of_one_shard_witho
                               env={"PREFIX_CACHING": caching})
         try:
             with ThreadPoolExecutor(len(prompts)) as pool:  # at once: they share the new prefix in one step
-                runs[shards] = list(pool.map(lambda prompt: complete(server, prompt), prompts))
+                runs[shards] = list(pool.map(lambda prompt, server=server: complete(server, prompt), prompts))
             runs[shards] += [complete(server, prompt) for prompt in prompts]  # then from the cache
         finally:
             server.stop()

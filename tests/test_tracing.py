@@ -7,8 +7,8 @@ import sys
 import time
 
 import pytest
-
 from otlp_collector import Collector, attributes
+
 from tokenmill.observability.telemetry import RequestRecord
 from tokenmill.observability.tracing import Tracing, TracingUnavailable
 
@@ -20,7 +20,8 @@ SUCCESS = RequestRecord(
     request_id="req-ok", route="generate", started_ns=NOW,
     validation_seconds=0.002, queue_seconds=0.010, inference_seconds=0.250, total_seconds=0.265,
     input_tokens=7, generated_tokens=20, max_new_tokens=32, finish_reason="length",
-    parameters={"temperature": 0.7, "do_sample": True, "seed": 42, "stop": ["\n"], "grammar": None, "adapter_id": "base"},
+    parameters={"temperature": 0.7, "do_sample": True, "seed": 42, "stop": ["\n"], "grammar": None,
+                "adapter_id": "base"},
 )
 
 FAILURE = RequestRecord(
@@ -146,6 +147,7 @@ def test_missing_packages_raise_with_the_install_hint(monkeypatch: pytest.Monkey
 
 
 def test_importing_the_module_does_not_import_opentelemetry() -> None:
-    code = "import sys, tokenmill.observability.tracing; print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    code = ("import sys, tokenmill.observability.tracing; "
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

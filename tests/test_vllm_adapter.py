@@ -11,17 +11,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from engine_helpers import Collector, greedy_request
-from tokenmill.config import Config
-from tokenmill.sampling.grammar import GrammarCompiler
+
 import tokenmill
+from tokenmill.config import Config
+from tokenmill.engine.sequence import ErrorEvent, SamplingParams
+from tokenmill.engine.startup import settings_unavailable_reason
+from tokenmill.http.validation import ValidationError, Validator
 from tokenmill.interfaces import Backend, BatchLimits, EngineSetup
 from tokenmill.model.loading import ModelLoadError
 from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all
-from tokenmill.engine.sequence import ErrorEvent, SamplingParams
-from tokenmill.engine.startup import settings_refusal
-from tokenmill.http.validation import ValidationError, Validator
+from tokenmill.sampling.grammar import GrammarCompiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "packages" / "tokenmill-vllm"))
 import tokenmill_vllm  # noqa: E402
@@ -263,9 +263,9 @@ def test_a_backend_with_its_own_engine_takes_no_attention_kv_allocator_or_block_
     for flags in (("sdpa", None, None), (None, "paged", None), (None, None, 32)):
         with pytest.raises(PluginError, match="does not apply to --backend own-engine"):
             choose_all(pm, "own-engine", *flags[:2], "fifo", flags[2])
-    assert settings_refusal(Config(), chosen, "cpu") is None
+    assert settings_unavailable_reason(Config(), chosen, "cpu") is None
     for settings in (Config(num_shard=2), Config(quantize="int8"), Config(lora_adapters="a=/x")):
-        assert "not supported with --backend own-engine" in settings_refusal(settings, chosen, "cpu")
+        assert "not supported with --backend own-engine" in settings_unavailable_reason(settings, chosen, "cpu")
 
 
 def test_without_vllm_the_vllm_backend_is_refused_with_the_install_hint():
@@ -279,8 +279,8 @@ def test_without_vllm_the_vllm_backend_is_refused_with_the_install_hint():
 
 def test_what_the_engine_refuses_is_a_validation_error(tokenizer):
     config = Config(max_input_tokens=100, max_total_tokens=200)
-    config.resolve_limits(None)
-    validator = Validator(tokenizer, config, 49152, refusal=vllm_engine.unsupported_reason)
+    config = config.with_limits(None)
+    validator = Validator(tokenizer, config, 49152, unavailable_reason=vllm_engine.unsupported_reason)
     assert validator.generate("Hello", {"max_new_tokens": 5}, False).max_new_tokens == 5
     with pytest.raises(ValidationError, match="`typical_p` is not supported by --backend vllm"):
         validator.generate("Hello", {"max_new_tokens": 5, "typical_p": 0.5}, False)

@@ -15,17 +15,18 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
-from bench import peers
 from conftest import RunningServer, start_server
 from engine_helpers import PROMPTS
+
+from bench import peers
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,8 @@ def test_chat_completions_match_vllms_own_server(servers):
     for question in ("What is the capital of France?", "Write a haiku about the sea."):
         body = {"model": peers.SERVED_NAME, "messages": [{"role": "user", "content": question}],
                 "max_tokens": MAX_TOKENS, "temperature": 0}
-        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300) for url in (tokenmill.url, reference)]
+        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+                   for url in (tokenmill.url, reference)]
         assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
         ours, theirs = (a.json()["choices"][0]["message"]["content"] for a in answers)
         assert ours == theirs, question

@@ -7,13 +7,9 @@ may join a running batch at all.
 
 from __future__ import annotations
 
-from tokenmill.interfaces import NO_HIT, BatchLimits, PrefixHit, StepBudget
 from tokenmill.engine.prefix import full_block_hashes
 from tokenmill.engine.sequence import Sequence
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+from tokenmill.interfaces import NO_HIT, BatchLimits, PrefixHit, StepBudget, blocks_for
 
 
 class Room:
@@ -77,7 +73,8 @@ class Room:
         if prefix is not None:
             chunk = min(self._uncached(seq), max(0, self.budget.prefill_tokens - self.prefill_tokens))
             computed = seq.num_computed + self._hit(seq).tokens + chunk
-            self.planned |= frozenset(full_block_hashes(seq, self.budget.block_size, computed // self.budget.block_size))
+            self.planned |= frozenset(
+                full_block_hashes(seq, self.budget.block_size, computed // self.budget.block_size))
         self.admitted += 1
         self.longest = max(self.longest, seq.pending_len)
         self.prefill_tokens += self._uncached(seq)

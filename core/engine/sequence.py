@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.stream import EventSink, EventStream, as_stream
 from tokenmill.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,18 +104,20 @@ class ErrorEvent:
 
 
 Event = TokenEvent | ErrorEvent
-EventSink = Callable[[Event], None]
 
 _ids = itertools.count(1)
 
 
 class Sequence:
-    """One generation in flight: its tokens, sampling state and output channel."""
+    """One generation in flight: its tokens, its sampling state, and the stream its events go to
+    (``choice`` tags them: the sequences of one request share its stream)."""
 
-    def __init__(self, request: GenerationRequest, sink: EventSink, seed: int | None) -> None:
+    def __init__(self, request: GenerationRequest, stream: EventStream | EventSink,
+                 seed: int | None, choice: int = 0) -> None:
         self.id = next(_ids)
         self.request = request
-        self.sink = sink
+        self.stream = as_stream(stream)
+        self.choice = choice
         self.seed = seed
         self.prompt_ids: list[int] = list(request.input_ids)
         self.generated_ids: list[int] = []
@@ -134,9 +137,8 @@ class Sequence:
         self.admitted_at: float | None = None
         """When it first joined the batch (a preemption does not reset it)."""
         self.state: Any = None
-        """The engine's per-sequence state (sampler, detokenizer), set when admitted."""
-        self.backlog: Callable[[], int] = lambda: 0
-        """Events emitted that its client has not taken yet (a streaming response's unsent tokens)."""
+        """The engine's per-sequence state (``tokenmill.engine.output.SequenceState``: sampler,
+        detokenizer), set when admitted."""
 
     @property
     def prompt_len(self) -> int:
@@ -179,3 +181,14 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.id}, prompt={self.prompt_len}, generated={len(self.generated_ids)})"
+
+
+def queue_entry(seq: Sequence, state: str, now: float) -> dict[str, Any]:
+    """How ``GET /queue`` shows a sequence in ``state`` (waiting, prefilling, decoding, paused):
+    ids, class, lengths and times, never prompt text."""
+    started = seq.admitted_at if seq.admitted_at is not None and state != "waiting" else now
+    return {"id": seq.id, "state": state, "priority": seq.request.priority, "prompt_tokens": seq.prompt_len,
+            "generated_tokens": len(seq.generated_ids), "max_new_tokens": seq.request.max_new_tokens,
+            "waited_seconds": round(max(0.0, started - seq.arrived_at), 3),
+            "unsent_tokens": seq.stream.unsent(), "cached_tokens": seq.cached_tokens,
+            "preempted": seq.admitted_at is not None and state == "waiting"}

@@ -6,11 +6,12 @@ import hmac
 import re
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import falcon.asgi
 
 from tokenmill.http.body import ApiError
+from tokenmill.http.context import request_scope
 from tokenmill.observability.logs import request_id_var
 from tokenmill.observability.telemetry import RequestRecord, Telemetry
 
@@ -47,10 +48,9 @@ class RequestContext:
         resp.set_header("X-Request-Id", request_id)
         route = GENERATION_ROUTES.get(req.path) if req.method == "POST" else None
         if route is None:
-            req.context.record = None
             return
-        req.context.record = req.scope["tokenmill.record"] = RequestRecord(request_id, route, time.time_ns())
-        self.telemetry.request_arrived(req.context.record)
+        record = request_scope(req).record = RequestRecord(request_id, route, time.time_ns())
+        self.telemetry.request_arrived(record)
         if self.draining():
             raise ApiError(503, "the server is shutting down", "unhealthy")
 

@@ -25,8 +25,8 @@ import uvicorn
 from uvicorn_worker import UvicornWorker
 
 from tokenmill.config import Config, parse_config
-from tokenmill.observability.logs import gunicorn_logconfig
 from tokenmill.http.app import ServerState, create_app
+from tokenmill.observability.logs import gunicorn_logconfig
 
 log = logging.getLogger(__name__)
 

@@ -2,50 +2,23 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from tokenmill.config import Config
+from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
+from tokenmill.http.fields import MISSING, ValidationError, typed_field
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
-from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
-
-_MISSING = object()
-
-
-class ValidationError(Exception):
-    """Invalid input: answered with 422 and ``error_type`` ``validation``."""
-
-
-def _number(params: dict[str, Any], name: str, kind: type) -> Any:
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(f"`{name}` must be a finite number, got {value!r}")
-    if kind is int:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValidationError(f"`{name}` must be an integer, got {value!r}")
-        return int(value)
-    return float(value)
-
-
-def _flag(params: dict[str, Any], name: str, default: bool) -> bool:
-    value = params.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValidationError(f"`{name}` must be a boolean, got {value!r}")
-    return value
 
 
 def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
     """The ``inputs`` string and ``parameters`` object of a TGI request body."""
     if not isinstance(body, dict):
         raise ValidationError("the request body must be a JSON object with `inputs`")
-    inputs = body.get("inputs", _MISSING)
-    if inputs is _MISSING:
+    inputs = body.get("inputs", MISSING)
+    if inputs is MISSING:
         raise ValidationError("missing field `inputs`")
     if not isinstance(inputs, str):
         raise ValidationError("`inputs` must be a string")
@@ -58,34 +31,34 @@ def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
 
 
 def sampling_params(params: dict[str, Any]) -> SamplingParams:
-    temperature = _number(params, "temperature", float)
+    temperature = typed_field(params, "temperature", "number")
     if temperature is not None and temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
-    repetition_penalty = _number(params, "repetition_penalty", float)
+    repetition_penalty = typed_field(params, "repetition_penalty", "number")
     if repetition_penalty is not None and repetition_penalty <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
-    frequency_penalty = _number(params, "frequency_penalty", float)
+    frequency_penalty = typed_field(params, "frequency_penalty", "number")
     if frequency_penalty is not None and not -2.0 <= frequency_penalty <= 2.0:
         raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
-    top_p = _number(params, "top_p", float)
+    top_p = typed_field(params, "top_p", "number")
     if top_p is not None and not 0.0 < top_p < 1.0:
         raise ValidationError("`top_p` must be > 0.0 and < 1.0")
-    typical_p = _number(params, "typical_p", float)
+    typical_p = typed_field(params, "typical_p", "number")
     if typical_p is not None and not 0.0 < typical_p < 1.0:
         raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
-    top_k = _number(params, "top_k", int)
+    top_k = typed_field(params, "top_k", "integer")
     if top_k is not None and top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
-    seed = _number(params, "seed", int)
+    seed = typed_field(params, "seed", "integer")
     if seed is not None and not 0 <= seed < 2**64:
         raise ValidationError("`seed` must be >= 0 and < 2^64")
-    presence_penalty = _number(params, "presence_penalty", float)
-    occurrence_penalty = _number(params, "occurrence_penalty", float)
+    presence_penalty = typed_field(params, "presence_penalty", "number")
+    occurrence_penalty = typed_field(params, "occurrence_penalty", "number")
     for name, value in (("presence_penalty", presence_penalty), ("occurrence_penalty", occurrence_penalty)):
         if value is not None and not -2.0 <= value <= 2.0:
             raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
     return SamplingParams(
-        do_sample=_flag(params, "do_sample", False),
+        do_sample=typed_field(params, "do_sample", "boolean", False),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -95,7 +68,7 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
         presence_penalty=presence_penalty,
         occurrence_penalty=occurrence_penalty,
         seed=seed,
-        watermark=_flag(params, "watermark", False),
+        watermark=typed_field(params, "watermark", "boolean", False),
     )
 
 
@@ -104,7 +77,7 @@ class Validator:
 
     def __init__(self, tokenizer: Any, config: Config, vocab_size: int,
                  adapter_names: Callable[[], list[str]] | None = None, model_id: str | None = None,
-                 refusal: Callable[[GenerationRequest], str | None] | None = None) -> None:
+                 unavailable_reason: Callable[[GenerationRequest], str | None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
@@ -113,8 +86,8 @@ class Validator:
         """The LoRA adapters served now (None: the server serves none)."""
         self.model_id = model_id
         """The base model's id, which as ``adapter_id`` means no adapter."""
-        self.refusal = refusal
-        """The engine's word on a valid request it still cannot run (``Engine.refusal``)."""
+        self.unavailable_reason = unavailable_reason
+        """The engine's word on a valid request it still cannot run (``Engine.unavailable_reason``)."""
 
     def generate(self, inputs: str, params: dict[str, Any], stream: bool, *, add_special_tokens: bool = True,
                  max_top_n: int | None = None, grammar: Grammar | None = None) -> GenerationRequest:
@@ -126,7 +99,7 @@ class Validator:
         adapter_id = self.adapter(params.get("adapter_id"), "adapter_id")
         if adapter_id:
             request = replace(request, adapter_id=adapter_id)
-        refused = self.refusal(request) if self.refusal is not None else None
+        refused = self.unavailable_reason(request) if self.unavailable_reason is not None else None
         if refused:
             raise ValidationError(refused)
         return request
@@ -139,7 +112,8 @@ class Validator:
         if requested in known:
             return str(requested)
         if self.adapter_names is None:
-            raise ValidationError(f"`{field_name}`: this server serves no LoRA adapters (start it with --lora-adapters)")
+            raise ValidationError(
+                f"`{field_name}`: this server serves no LoRA adapters (start it with --lora-adapters)")
         raise ValidationError(f"`{field_name}`: unknown adapter {requested!r}; known: "
                               f"{', '.join(known) or 'none yet (POST /adapters loads one)'}")
 
@@ -152,7 +126,7 @@ def validate_generate(
     assert config.max_input_tokens is not None and config.max_total_tokens is not None
     sampling = sampling_params(params)
 
-    best_of = _number(params, "best_of", int)
+    best_of = typed_field(params, "best_of", "integer")
     if best_of is not None:
         if not 0 < best_of <= config.max_best_of:
             raise ValidationError(f"`best_of` must be > 0 and <= {config.max_best_of}. Given: {best_of}")
@@ -174,12 +148,12 @@ def validate_generate(
     if any(s == "" for s in stop):
         raise ValidationError("`stop` sequences cannot be empty strings")
 
-    top_n_tokens = _number(params, "top_n_tokens", int) or 0
+    top_n_tokens = typed_field(params, "top_n_tokens", "integer") or 0
     max_top_n = config.max_top_n_tokens if max_top_n is None else max_top_n
     if not 0 <= top_n_tokens <= max_top_n:
         raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}")
 
-    decoder_input_details = _flag(params, "decoder_input_details", False)
+    decoder_input_details = typed_field(params, "decoder_input_details", "boolean", False)
     if decoder_input_details and stream:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
 
@@ -201,7 +175,7 @@ def validate_generate(
     if not input_ids:
         raise ValidationError("`inputs` cannot be empty")
 
-    truncate = _number(params, "truncate", int)
+    truncate = typed_field(params, "truncate", "integer")
     if truncate is not None:
         if not 0 < truncate <= config.max_input_tokens:
             raise ValidationError(
@@ -215,7 +189,7 @@ def validate_generate(
     if max(input_ids) >= vocab_size:
         raise ValidationError(f"`inputs` has token id {max(input_ids)}, beyond the model's {vocab_size} embeddings")
 
-    max_new_tokens = _number(params, "max_new_tokens", int)
+    max_new_tokens = typed_field(params, "max_new_tokens", "integer")
     if max_new_tokens is None:
         max_new_tokens = config.max_total_tokens - len(input_ids)
     elif max_new_tokens <= 0:
@@ -232,10 +206,10 @@ def validate_generate(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop=tuple(stop),
-        details=_flag(params, "details", False),
+        details=typed_field(params, "details", "boolean", False),
         decoder_input_details=decoder_input_details,
         top_n_tokens=top_n_tokens,
-        return_full_text=_flag(params, "return_full_text", False),
+        return_full_text=typed_field(params, "return_full_text", "boolean", False),
         best_of=best_of or 1,
         priority=priority,
         grammar=grammar,

@@ -1,10 +1,19 @@
-"""How much KV memory a model needs per position, from its transformers config."""
+"""How much KV memory a model needs per position, from its transformers config, and how many
+positions the KV pool gets in the memory left after loading."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.config import Config
+    from tokenmill.model.loading import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 def model_kv_shape(model_config: Any) -> tuple[int, int, int]:
@@ -20,3 +29,37 @@ def bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
     """Bytes of keys and values one position takes over all layers."""
     layers, kv_heads, head_dim = model_kv_shape(model_config)
     return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def available_memory_bytes() -> int:
+    """RAM available now (Linux MemAvailable), or total physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_dtype(config: Config, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's dtype: the model's, or float8 with ``--kv-cache-dtype fp8_e4m3fn``."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3fn" else loaded.dtype
+
+
+def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> int:
+    """How many positions the KV pool holds when --max-batch-total-tokens is not given:
+    the memory left after loading, within the configured fraction."""
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = min(free, config.cuda_memory_fraction * total - (total - free)) * 0.9
+    else:  # the ranks of --num-shard share this machine's RAM, each with a pool this size
+        budget = available_memory_bytes() * config.kv_memory_fraction / config.num_shard
+    per_token = bytes_per_token(model_config, kv_dtype(config, loaded))
+    context = min(getattr(model_config, "max_position_embeddings", None) or 4096, 4096)
+    tokens = int(max(0, budget) // per_token)
+    ceiling = 64 * (config.max_total_tokens or context)  # enough for 64 full-length sequences
+    log.info("KV pool: %d positions (%.0f MiB of %.0f MiB allowed)", min(tokens, ceiling),
+             min(tokens, ceiling) * per_token / 2**20, budget / 2**20)
+    return min(tokens, ceiling)

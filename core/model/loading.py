@@ -16,9 +16,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -231,3 +232,13 @@ def load_model(
         log.info("quantized with %s: %s", quantizer.name, done or "as loaded")
     return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done,
                        quantizer.name if quantizer else None)
+
+
+def generation_eos(path: Any, model_config: Any) -> Any:
+    """The end-of-sequence id(s) of the checkpoint's generation config, else of its model config."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        return getattr(model_config, "eos_token_id", None)

@@ -26,13 +26,20 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from tokenmill.model.loading import ModelLoadError
+
+if TYPE_CHECKING:
+    from tokenmill.config import Config
+    from tokenmill.model.loading import LoadedModel, Stages
 
 log = logging.getLogger(__name__)
 
@@ -372,3 +379,20 @@ class AdapterCache:
             return {"known": len(self.sources), "loaded": list(self.loaded), "limit": self.limit,
                     "bytes": sum(a.nbytes for a in self.loaded.values()), "loads": self.stats.loads,
                     "evictions": self.stats.evictions}
+
+
+def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> AdapterCache:
+    """Wrap the model's layers for LoRA and load the adapters --lora-adapters names."""
+    named = config.named_adapters()
+
+    def load() -> AdapterCache:
+        try:
+            cache = AdapterCache(install(loaded.model), config.adapter_slots, config.max_lora_rank,
+                                 loaded.dtype, loaded.device, base_model_id=loaded.model_id)
+            for name, source in named:
+                cache.register(name, source)
+        except (AdapterError, AdapterBusy) as error:
+            raise ModelLoadError(str(error)) from None
+        return cache
+
+    return stages.run("loading adapters", load, detail=", ".join(name for name, _ in named) or "none yet")

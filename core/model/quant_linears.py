@@ -15,8 +15,9 @@ int4/int8) differ only in how they read their numbers:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -303,7 +304,8 @@ def load_packed_checkpoint(path: Path, dtype: torch.dtype, device: torch.device,
         missing = [key for key in missing if key != "lm_head.weight"]
     left_empty = [key for key in missing if any(t.is_meta for n, t in model.named_parameters() if n == key)]
     if left_empty or unexpected:
-        raise ValueError(f"the checkpoint does not fit the model: missing {left_empty[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"the checkpoint does not fit the model: missing {left_empty[:3]}, unexpected {unexpected[:3]}")
     return model.to(device).eval()
 
 

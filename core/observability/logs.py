@@ -79,7 +79,9 @@ def gunicorn_logconfig(json_output: bool) -> dict[str, Any]:
         "disable_existing_loggers": False,
         "formatters": {"tokenmill": formatter},
         "filters": {"request_id": {"()": RequestIdFilter}},
-        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "tokenmill", "filters": ["request_id"]}},
+        "handlers": {
+            "console": {"class": "logging.StreamHandler", "formatter": "tokenmill", "filters": ["request_id"]},
+        },
         "root": {"level": "INFO", "handlers": ["console"]},
         "loggers": {
             "gunicorn.error": {"level": "INFO", "handlers": [], "propagate": True},

@@ -7,14 +7,18 @@ when Prometheus scrapes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
 import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill.observability.telemetry import RequestRecord
+
+if TYPE_CHECKING:
+    from tokenmill.engine.timing import StepTiming
 
 
 def duration_buckets() -> list[float]:
@@ -107,20 +111,19 @@ class Metrics:
             self.generated_tokens.observe(record.generated_tokens)
             self.max_new_tokens.observe(record.max_new_tokens)
 
-    def step_finished(self, method: str, prefilling: int, forward_seconds: float, step_seconds: float,
-                      ok: bool) -> None:
-        """Called from the engine thread after each step that ran the model, with the number of
-        sequences it prefilled (TGI's next batch: the requests that joined)."""
+    def step_finished(self, step: StepTiming) -> None:
+        """Called from the engine thread after each step that ran the model."""
+        method = step.method
         self.counters.inc("tgi_batch_inference_count", method)
-        if not ok:
+        if not step.ok:
             self.counters.inc("tgi_batch_inference_failure", method)
             return
         self.counters.inc("tgi_batch_inference_success", method)
-        if prefilling:
-            self.next_batch_size.observe(prefilling)
-        self.forward_duration.labels(method=method).observe(forward_seconds)
-        self.step_duration.labels(method=method).observe(step_seconds)
-        self.decode_duration.labels(method=method).observe(step_seconds - forward_seconds)
+        if step.prefilling:
+            self.next_batch_size.observe(step.prefilling)
+        self.forward_duration.labels(method=method).observe(step.forward_seconds)
+        self.step_duration.labels(method=method).observe(step.step_seconds)
+        self.decode_duration.labels(method=method).observe(step.step_seconds - step.forward_seconds)
 
     def exposition(self) -> bytes:
         return self.counters.exposition().encode() + generate_latest(self.registry)
@@ -195,7 +198,8 @@ class LiveGauges(Collector):
         lora = now.get("lora")
         if lora is not None:
             yield GaugeMetricFamily("tgi_lora_cache_size", "LoRA adapters in memory", value=len(lora["loaded"]))
-            yield GaugeMetricFamily("tokenmill_lora_cache_bytes", "bytes of LoRA weights in memory", value=lora["bytes"])
+            yield GaugeMetricFamily("tokenmill_lora_cache_bytes", "bytes of LoRA weights in memory",
+                                    value=lora["bytes"])
             yield CounterMetricFamily("tokenmill_lora_loads", "LoRA adapters loaded (again, after an eviction)",
                                       value=lora["loads"])
             yield CounterMetricFamily("tokenmill_lora_evictions", "LoRA adapters evicted from memory",
@@ -237,7 +241,8 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> Any:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
+        # scrapes are not worth a log line each; `format` is BaseHTTPRequestHandler.log_message's own parameter name
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keeps the overridden stdlib signature
             pass
 
     class MetricsServer(ThreadingHTTPServer):

@@ -91,7 +91,7 @@ class Tracing:
         self._stopped = False
 
     @classmethod
-    def start(cls, endpoint: str, service_name: str) -> "Tracing":
+    def start(cls, endpoint: str, service_name: str) -> Tracing:
         """Export to the collector at ``endpoint`` (``http://host:4318``, with or without ``/v1/traces``)
         as ``service_name``; raises :class:`TracingUnavailable` when the ``otlp`` extra is missing."""
         OTLPSpanExporter, Resource, TracerProvider, BatchSpanProcessor = require_packages()

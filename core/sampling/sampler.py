@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -94,7 +95,8 @@ class SequenceSampler:
         p = self.params
         counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=scores.shape[-1])
         counts = counts[: scores.shape[-1]].to(scores.dtype)
-        return scores - (p.occurrence_penalty or 0.0) * counts - (p.presence_penalty or 0.0) * (counts > 0).to(scores.dtype)
+        return (scores - (p.occurrence_penalty or 0.0) * counts
+                - (p.presence_penalty or 0.0) * (counts > 0).to(scores.dtype))
 
     def choose(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> Choice:
         scores = self.process(token_ids, logits, allowed)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import tokenmill
-from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.interfaces import AttentionKernel, PagedStep
+from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 
 
 class FlashAttention(AttentionKernel):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import tokenmill
+from tokenmill.interfaces import AttentionKernel, PagedStep, blocks_for
 from tokenmill.kernels import native as native_kernels
-from tokenmill.interfaces import AttentionKernel, PagedStep
 
 
 def _group_plan(step: PagedStep, rows: list[int], sliding_window: int | None) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def _group_plan(step: PagedStep, rows: list[int], sliding_window: int | None) ->
     block_size = step.pool.block_size
     index = torch.tensor(rows, device=device)
     query_lens = [step.query_lens[r] for r in rows]
-    widest = max(-(-step.context_lens[r] // block_size) for r in rows)
+    widest = max(blocks_for(step.context_lens[r], block_size) for r in rows)
     context = torch.tensor([step.context_lens[r] for r in rows], device=device)
     lengths = torch.tensor(query_lens, device=device)
     positions = torch.arange(widest * block_size, device=device)
@@ -107,7 +107,7 @@ def _step_plan(step: PagedStep, sliding_window: int | None, native: bool) -> lis
     """Decode tokens in groups of similar context length (or all in one native call); each
     prefill chunk in its own group, so that no sequence is padded to another's prompt length."""
     block_size = step.pool.block_size
-    decoding = {r: -(-step.context_lens[r] // block_size) for r, n in enumerate(step.query_lens) if n == 1}
+    decoding = {r: blocks_for(step.context_lens[r], block_size) for r, n in enumerate(step.query_lens) if n == 1}
     prefilling = [r for r, n in enumerate(step.query_lens) if n > 1]
     plans = [_group_plan(step, [r], sliding_window) for r in prefilling]
     if native and decoding:

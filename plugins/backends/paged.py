@@ -27,7 +27,8 @@ import torch
 from transformers import AttentionInterface
 
 import tokenmill
-from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
+from tokenmill.engine.prefix import BlockChain, cacheable_blocks, full_block_hashes
+from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import (
     NO_HIT,
     AttentionKernel,
@@ -39,11 +40,12 @@ from tokenmill.interfaces import (
     PrefillOutput,
     PrefixHit,
     StepOutput,
+    blocks_for,
+    padded_block_tables,
 )
+from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
 from tokenmill.model.lora import adapter_rows
-from tokenmill.engine.prefix import BlockChain, cacheable_blocks, full_block_hashes
-from tokenmill.engine.sequence import Sequence
 
 ATTENTION_NAME = "tokenmill_paged"
 
@@ -190,7 +192,7 @@ class PagedRunner(BackendRunner):
         blocks = pool.lookup(hashes)
         if len(blocks) < len(hashes):
             raise RuntimeError(f"sequence {seq.id}: {len(hashes) - len(blocks)} of its cached blocks are gone")
-        new_blocks = -(-seq.total_len // block_size) - len(blocks)
+        new_blocks = blocks_for(seq.total_len, block_size) - len(blocks)
         if new_blocks + pool.idle_among(blocks) > pool.free_blocks():
             raise MemoryError(f"the KV pool has no room for sequence {seq.id} ({seq.total_len} tokens)")
         if blocks:
@@ -214,7 +216,7 @@ class PagedRunner(BackendRunner):
         return self.pool.drop_cached() if self.prefix_caching else 0  # type: ignore[attr-defined]
 
     def _blocks_short(self, seq: Sequence, tokens: int) -> int:
-        return max(0, -(-tokens // self.pool.block_size) - len(self.pool.blocks_of(seq.id)))
+        return max(0, blocks_for(tokens, self.pool.block_size) - len(self.pool.blocks_of(seq.id)))
 
     def can_decode(self, seqs: list[Sequence]) -> bool:
         return sum(self._blocks_short(s, s.total_len) for s in seqs) <= self.pool.free_blocks()
@@ -282,7 +284,8 @@ class PagedRunner(BackendRunner):
         decode_logits = logits[last_rows[len(prefill) :]] if decode else None
         return StepOutput(prefill_out, decode_logits)
 
-    def _pack(self, seqs: list[Sequence], starts: list[int], lengths: list[int]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
+    def _pack(self, seqs: list[Sequence], starts: list[int],
+              lengths: list[int]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
         """The packed row of this step's tokens, their positions, and where their KV goes."""
         block_size = self.pool.block_size
         tokens: list[int] = []
@@ -362,9 +365,11 @@ class PagedBackend(Backend):
                                 ("attention_chunk_size", "chunked attention"),
                                 ("num_kv_shared_layers", "layers that share another layer's KV")):
             if getattr(config, attribute, None):
-                return f"{name} uses {what}, which the {self.name} backend does not implement; use --backend transformers"
+                return (f"{name} uses {what}, which the {self.name} backend does not implement; "
+                        "use --backend transformers")
         if any(hasattr(module, "sinks") for module in model.modules()):
-            return f"{name} uses attention sinks, which the {self.name} backend does not implement; use --backend transformers"
+            return (f"{name} uses attention sinks, which the {self.name} backend does not implement; "
+                    "use --backend transformers")
         return None
 
     def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
@@ -390,20 +395,13 @@ class FlashBackend(PagedBackend):
             return reason
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn runs float16 and bfloat16 only (the model is {str(dtype).replace('torch.', '')}); use --dtype bfloat16 or --backend paged"
+            return (f"flash-attn runs float16 and bfloat16 only (the model is {str(dtype).replace('torch.', '')}); "
+                    "use --dtype bfloat16 or --backend paged")
         _, _, head_dim = model_kv_shape(model.config)
         if head_dim > 256 or head_dim % 8:
-            return f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); use --backend paged"
+            return (f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); "
+                    "use --backend paged")
         return None
-
-
-def padded_block_tables(pool: BlockPool, seq_ids: list[int]) -> torch.Tensor:
-    """``[sequences, most blocks]`` int32: each sequence's blocks in the pool, padded with 0 (the zero block)."""
-    tables = [pool.blocks_of(seq_id) for seq_id in seq_ids]
-    block_tables = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return block_tables
 
 
 def _cpp_compiler() -> str:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 import tokenmill
+from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
 from tokenmill.model.lora import adapter_rows
-from tokenmill.engine.sequence import Sequence
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

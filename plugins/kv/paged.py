@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import tokenmill
-from tokenmill.interfaces import BlockPool, CachingBlockPool, KVAllocator
+from tokenmill.interfaces import BlockPool, CachingBlockPool, KVAllocator, blocks_for
 from tokenmill.model.kv_memory import model_kv_shape
 
 
@@ -52,7 +52,7 @@ class PagedPool(CachingBlockPool):
 
     def reserve(self, seq_id: int, tokens: int) -> bool:
         table = self.tables.setdefault(seq_id, [])
-        missing = -(-tokens // self.block_size) - len(table)
+        missing = blocks_for(tokens, self.block_size) - len(table)
         if missing > self.free_blocks():
             if not table:
                 del self.tables[seq_id]
@@ -157,7 +157,7 @@ class PagedKVAllocator(KVAllocator):
     def create(self, model_config: Any, dtype: torch.dtype, device: torch.device, max_tokens: int,
                block_size: int) -> BlockPool:
         layers, kv_heads, head_dim = model_kv_shape(model_config)
-        num_blocks = max(1, -(-max_tokens // block_size))  # whole blocks: never fewer positions than asked
+        num_blocks = max(1, blocks_for(max_tokens, block_size))  # whole blocks: never fewer positions than asked
         return PagedPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
 
 

@@ -5,8 +5,8 @@ On CUDA the kernels are bitsandbytes' own and fast. On CPU it runs its built-in
 kernels: its optimised CPU kernel would be fetched from a hub when first used, which an
 offline server cannot do, so that is said once at load and bitsandbytes' per-call
 warnings are silenced. (Measured on SmolLM2 here, nf4 still decodes faster than float32
-at one request and about as fast at 32: ``python -m bench quant``.) bitsandbytes leaves the LM head and the embeddings in
-full precision; tokenmill stores them in 8 bits (once when tied) after loading.
+at one request and about as fast at 32: ``python -m bench quant``.) bitsandbytes leaves the LM head
+and the embeddings in full precision; tokenmill stores them in 8 bits (once when tied) after loading.
 """
 
 from __future__ import annotations

@@ -10,58 +10,28 @@ overtaken. While a batch runs, newcomers join it only as TGI lets them
 
 from __future__ import annotations
 
-from collections import deque
-
 import tokenmill
-from tokenmill.engine.admission import Room, joins_now
-from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
+from tokenmill.engine.admission import joins_now
+from tokenmill.engine.queue import WaitingQueue
 from tokenmill.engine.sequence import Sequence
+from tokenmill.interfaces import BatchLimits, Scheduler, SchedulerQueue, StepBudget
 
 
-class FifoQueue(SchedulerQueue):
+class FifoQueue(WaitingQueue):
+    """Line order (the base class's default): arrival order, requeued sequences first."""
+
     def __init__(self, limits: BatchLimits) -> None:
-        self.limits = limits
-        self.waiting: deque[Sequence] = deque()
+        super().__init__(limits)
         self.steps_waited = 0
         """Steps the running batch has run since newcomers last joined it."""
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    def requeue(self, seq: Sequence) -> None:
-        self.waiting.appendleft(seq)
-
-    def remove(self, seq: Sequence) -> bool:
-        try:
-            self.waiting.remove(seq)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self.waiting)
-
-    def drain(self) -> list[Sequence]:
-        drained = list(self.waiting)
-        self.waiting.clear()
-        return drained
-
-    def pending(self) -> list[Sequence]:
-        return list(self.waiting)
-
     def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
-        room = Room(self.limits, holding, budget)
-        ready = 0
-        for seq in self.waiting:
-            if not room.fits(seq):
-                break
-            room.take(seq)
-            ready += 1
-        if not joins_now(ready, len(holding), self.steps_waited, self.limits):
+        ready = self.fitting(holding, budget)
+        if not joins_now(len(ready), len(holding), self.steps_waited, self.limits):
             self.steps_waited += 1 if holding else 0
             return []
         self.steps_waited = 0
-        return [self.waiting.popleft() for _ in range(ready)]
+        return self.take(ready)
 
 
 class FifoScheduler(Scheduler):

@@ -25,21 +25,24 @@ and keeps its KV memory (nothing is recomputed); for memory its blocks are freed
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tokenmill
 from tokenmill.engine.admission import Room
-from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
+from tokenmill.engine.queue import WaitingQueue
 from tokenmill.engine.sequence import PRIORITY_CLASSES, Sequence
+from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
 
 
-class PriorityQueue(SchedulerQueue):
+class PriorityQueue(WaitingQueue):
+    """Heaviest first; ``admit`` is the base class's (start them in that order while they fit).
+    A requeued sequence keeps its arrival time, so its place follows from its weight."""
+
     def __init__(self, limits: BatchLimits, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = limits
+        super().__init__(limits)
         self.clock = clock
         self.class_weight = dict(limits.priority_class_weights)
         self.rank = {name: len(PRIORITY_CLASSES) - i for i, name in enumerate(PRIORITY_CLASSES)}
-        self.waiting: list[Sequence] = []
 
     def weight(self, seq: Sequence, now: float) -> float:
         request = seq.request
@@ -50,40 +53,6 @@ class PriorityQueue(SchedulerQueue):
         """The waiting sequences, heaviest first (earliest arrival first among equals)."""
         now = self.clock()
         return sorted(self.waiting, key=lambda s: (-self.weight(s, now), s.arrived_at, s.id))
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    def requeue(self, seq: Sequence) -> None:
-        self.waiting.append(seq)  # it keeps its arrival time, so its place follows from its weight
-
-    def remove(self, seq: Sequence) -> bool:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self.waiting)
-
-    def drain(self) -> list[Sequence]:
-        drained, self.waiting = self.waiting, []
-        return drained
-
-    def pending(self) -> list[Sequence]:
-        return self.ordered()
-
-    def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
-        room = Room(self.limits, holding, budget)
-        admitted = []
-        for seq in self.ordered():
-            if not room.fits(seq):
-                break
-            room.take(seq)
-            admitted.append(seq)
-        taken = {s.id for s in admitted}
-        self.waiting = [s for s in self.waiting if s.id not in taken]
-        return admitted
 
     def preempt(self, running: list[Sequence], budget: StepBudget) -> list[Preemption]:
         """The lightest running sequence of a lower class than the heaviest waiting one, when

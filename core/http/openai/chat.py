@@ -120,10 +120,12 @@ def tools_to_offer(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], boo
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise ChatError('`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        raise ChatError('`tool_choice` must be "none", "auto", "required" or '
+                        '{"type": "function", "function": {"name": ...}}')
     named = [t for t in tools if t.name == name]
     if not named:
-        raise ChatError(f"`tool_choice` names {name!r}, which is not among `tools` ({', '.join(t.name for t in tools)})")
+        raise ChatError(
+            f"`tool_choice` names {name!r}, which is not among `tools` ({', '.join(t.name for t in tools)})")
     return named, False
 
 

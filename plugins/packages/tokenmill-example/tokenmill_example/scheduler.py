@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.engine.admission import Room
+from tokenmill.admission import Room
 
 
 class ShortestPromptFirstQueue:

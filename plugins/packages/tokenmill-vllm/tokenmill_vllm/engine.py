@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
-from tokenmill.engine.engine import Engine
-from tokenmill.sampling.grammar import Grammar
+from tokenmill.engine import Engine, StepClock
+from tokenmill.engine.sequence import GenerationRequest, Sequence
 from tokenmill.interfaces import EngineSetup, SchedulerQueue
 from tokenmill.model.kv_memory import bytes_per_token
 from tokenmill.model.loading import ModelLoadError
-from tokenmill.sampling.sampler import uses_sampling
-from tokenmill.engine.sequence import GenerationRequest, Sequence
+from tokenmill.sampling import uses_sampling
+from tokenmill.sampling.grammar import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +213,7 @@ class VllmEngine(Engine):
     def vllm_runner(self) -> VllmRunner:
         return self.runner  # type: ignore[return-value]
 
-    def refusal(self, request: GenerationRequest) -> str | None:
+    def unavailable_reason(self, request: GenerationRequest) -> str | None:
         return unsupported_reason(request)
 
     def step(self) -> None:
@@ -222,29 +221,29 @@ class VllmEngine(Engine):
         if not self.running:
             return
         method = "prefill" if admitted or any(not s.generated_ids for s in self.running) else "decode"
-        started = time.perf_counter()
+        clock = StepClock(method, len(admitted))
         try:
             outputs = self.llm.step()
         except Exception as error:  # noqa: BLE001 - vLLM's failure fails this batch, or ends the engine
-            self._observe(method, len(admitted), started, started, ok=False)
+            self.observe_step(clock.timing(ok=False))
             if is_dead(error):
                 self.give_up(f"vLLM's engine died: {error}")
                 return
             log.exception("vLLM's step failed")
             self.fail(list(self.running), f"generation failed: {type(error).__name__}: {error}")
             return
-        forwarded = time.perf_counter()
+        clock.forwarded()
         self._take(outputs)
         self.preemptions = self.vllm_runner.stats.preempted
-        self._observe(method, len(admitted), started, forwarded, ok=True)
+        self.observe_step(clock.timing(ok=True))
 
     def _admit(self) -> list[Sequence]:
         """Hand the sequences the scheduler admits now to vLLM."""
         admitted = []
-        for seq in self.queue.admit(self.running, self._step_budget(self.prefill_budget)):
+        for seq in self.queue.admit(self.running, self.step_budget()):
             if not self.start_sequence(seq):
                 continue
-            if seq.state.sampler.processors:
+            if self.sampler(seq).processors:
                 self.fail([seq], "--backend vllm cannot apply logits processors from plugins "
                                  "(tokenmill_logits_processors)")
                 continue

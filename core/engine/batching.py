@@ -1,0 +1,234 @@
+"""Batching: who runs in the next step. The one place that asks the scheduler plugin, for
+admission and for preemption, and that keeps the step within KV memory and the prefill budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tokenmill.engine.output import Output, emit
+from tokenmill.engine.sequence import ErrorEvent, Sequence
+from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work: the sequences that prefill (with how many of their pending tokens each)
+    and those that decode one token."""
+
+    prefill: tuple[Sequence, ...]
+    chunks: tuple[int, ...]
+    decode: tuple[Sequence, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def method(self) -> str:
+        """TGI's name of the step in its metrics: ``prefill`` when anything prefills, else ``decode``."""
+        return "prefill" if self.prefill else "decode"
+
+
+class Batch:
+    """The running batch: sequences that decode, and sequences whose prompts prefill in chunks."""
+
+    def __init__(self, runner: BackendRunner, queue: SchedulerQueue, output: Output, prefill_budget: int,
+                 stream_buffer_tokens: int) -> None:
+        self.runner = runner
+        self.queue = queue
+        self.output = output
+        self.prefill_budget = prefill_budget
+        self.stream_buffer_tokens = stream_buffer_tokens
+        """A sequence whose reader has this many events unsent pauses (keeping its KV) until it reads."""
+        self.running: list[Sequence] = []
+        """Sequences that decode: their whole context is in the KV cache."""
+        self.prefilling: list[Sequence] = []
+        """Admitted sequences whose prompt is prefilled in chunks over several steps."""
+        self.preemptions = 0
+        self.suspensions = 0
+        self.prefix_caching = bool(getattr(runner, "prefix_caching", False))
+        """Whether sequences start from the runner's cached prefixes (see :meth:`BackendRunner.prefix_hit`)."""
+        self.prefix_queried_tokens = 0
+        """Tokens of the sequences started (or restarted after a preemption) that were looked up in the prefix
+        cache ..."""
+        self.prefix_hit_tokens = 0
+        """... and of those, the tokens found there."""
+
+    @property
+    def holding(self) -> list[Sequence]:
+        """The sequences that hold KV memory."""
+        return self.running + self.prefilling
+
+    def plan(self) -> StepPlan:
+        """The next step: make room for every decoding sequence's next token, let the scheduler
+        set aside running sequences for waiting ones, then admit and plan this step's prefill."""
+        self._make_room_for_decode()
+        self._preempt_for_waiting()
+        prefill = self._plan_prefill()
+        return StepPlan(tuple(s for s, _ in prefill), tuple(n for _, n in prefill), tuple(self.decoding()))
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences that decode this step: not those whose reader lags behind
+        (backpressure: they keep their KV memory and go on once it reads), where the backend can
+        leave rows out of a step (the padded batch cannot)."""
+        return [s for s in self.running if not self.paused(s)]
+
+    def paused(self, seq: Sequence) -> bool:
+        return self.runner.pausable and seq.stream.unsent() >= self.stream_buffer_tokens
+
+    def step_budget(self, prefill_tokens: int | None = None) -> StepBudget:
+        """What a step can take in, as the scheduler is told: ``prefill_tokens`` (by default the whole
+        prefill budget), the runner's free KV memory and its prefix cache."""
+        tokens = self.prefill_budget if prefill_tokens is None else prefill_tokens
+        return StepBudget(tokens, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
+                          self.runner.kv_block_size, self.runner if self.prefix_caching else None)
+
+    def prefilled(self, plan: StepPlan, out: PrefillOutput) -> tuple[list[Sequence], list[int]]:
+        """Account for the prefilled chunks; sequences whose prompt is complete join the running
+        batch, and are returned with their rows of ``out.last_logits``, to sample their first token."""
+        done, rows = [], []
+        for row, (seq, chunk, logits) in enumerate(zip(plan.prefill, plan.chunks, out.prompt_logits)):
+            seq.num_computed += chunk
+            if logits is not None:
+                seq.prefill_tokens = self.output.prompt_tokens(seq.prompt_ids, logits)
+            if seq.pending_len == 0:
+                done.append(seq)
+                rows.append(row)
+        if done:
+            finished_ids = {s.id for s in done}
+            self.prefilling = [s for s in self.prefilling if s.id not in finished_ids]
+            self.running.extend(done)
+        return done, rows
+
+    def start_sequence(self, seq: Sequence) -> bool:
+        """Give an admitted sequence its sampling state (kept across preemptions); False when that
+        failed (it was told, and released)."""
+        if seq.state is not None:
+            return True
+        try:
+            seq.state = self.output.start(seq)
+            seq.admitted_at = time.monotonic()
+            return True
+        except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
+            self.fail([seq], f"could not start the request: {error}")
+            return False
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free ``seqs`` in the backend (whether or not they joined the batch) and forget them."""
+        if not seqs:
+            return
+        self.runner.release(seqs)
+        leaving = {s.id for s in seqs}
+        self.running = [s for s in self.running if s.id not in leaving]
+        self.prefilling = [s for s in self.prefilling if s.id not in leaving]
+
+    def fail(self, seqs: list[Sequence], message: str) -> None:
+        """End ``seqs`` with an error event, and release them."""
+        for seq in seqs:
+            emit(seq, ErrorEvent(message))
+        self.release(list(seqs))
+
+    def _preempt_for_waiting(self) -> None:
+        """Set aside the running sequences the scheduler names to let waiting ones start (a
+        scheduler without ``preempt`` never does)."""
+        choose = getattr(self.queue, "preempt", None)
+        holding = self.holding
+        if choose is None or not holding or not len(self.queue):
+            return
+        for preemption in choose(holding, self.step_budget()):
+            if preemption.seq not in holding:
+                continue
+            if preemption.keep_kv and self.runner.pausable and preemption.seq in self.running:
+                self._suspend(preemption.seq)
+            else:
+                self._preempt(preemption.seq)
+
+    def _suspend(self, seq: Sequence) -> None:
+        """Take a decoding sequence out of the batch with its KV memory kept; when the scheduler
+        admits it again, its one pending token runs as a one-token prefill and it decodes on."""
+        self.running = [s for s in self.running if s.id != seq.id]
+        self.queue.requeue(seq)
+        self.suspensions += 1
+        log.info("suspended sequence %d (%d tokens, KV kept)", seq.id, seq.total_len)
+
+    def _make_room_for_decode(self) -> None:
+        """Preempt the latest arrivals until KV memory holds one more token for each running sequence."""
+        while self.running and not self.runner.can_decode(self.running):
+            holders = self.holding
+            victim = max(holders, key=lambda s: (s.arrived_at, s.id))
+            if len(holders) == 1:  # alone and still too big: recomputing it would not help
+                self.fail([victim], "the KV cache cannot hold this sequence")
+                return
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
+        self.release([seq])
+        seq.num_computed = 0
+        self.queue.requeue(seq)
+        self.preemptions += 1
+        log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
+
+    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
+        """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
+        budget = self.prefill_budget
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            chunk = self._chunk(seq, budget)
+            if chunk and self._plan_chunk(seq, chunk):
+                plan.append((seq, chunk))
+                budget -= chunk
+        if budget <= 0:
+            return plan
+        for seq in self.queue.admit(self.holding, self.step_budget(budget)):
+            chunk = self._start_prefill(seq, budget)
+            if chunk:
+                self.prefilling.append(seq)
+                plan.append((seq, chunk))
+                budget -= chunk
+        return plan
+
+    def _start_prefill(self, seq: Sequence, budget: int) -> int:
+        """An admitted sequence's first chunk this step, after what it takes from the prefix cache;
+        0 when it waits for the next step (requeued, first in line) or failed to start."""
+        fresh = seq.num_computed == 0  # new, or preempted: it holds no KV memory
+        cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
+        seq.num_computed += cached
+        chunk = self._chunk(seq, budget)
+        if chunk and not self.start_sequence(seq):
+            return 0  # it failed, and was told
+        if not chunk or not self._plan_chunk(seq, chunk):
+            # It must go whole and does not fit what is left, or its KV memory is short: next step.
+            seq.num_computed -= cached
+            self.queue.requeue(seq)
+            return 0
+        if self.prefix_caching and fresh:
+            if not seq.generated_ids:
+                seq.cached_tokens = cached
+            self.prefix_queried_tokens += seq.total_len
+            self.prefix_hit_tokens += cached
+        return chunk
+
+    def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:
+        """Tell a prefix-caching runner the chunk ``seq`` prefills this step; False when its KV memory
+        cannot be had now (nothing was taken)."""
+        if not self.prefix_caching:
+            return True
+        try:
+            self.runner.plan_prefill(seq, chunk)
+        except MemoryError as error:
+            log.info("sequence %d waits: %s", seq.id, error)
+            return False
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s pending tokens to prefill with ``budget`` left (0: next step)."""
+        whole = seq.pending_len
+        if self.runner.chunked_prefill and not seq.wants_prompt_logits:
+            return max(0, min(whole, budget))
+        # All at once. One that could never fit a step's budget runs oversized rather than wait forever.
+        return whole if whole <= budget or whole > self.prefill_budget else 0

@@ -1,0 +1,190 @@
+"""Output processing: a chosen token becomes text, is checked against the stop criteria, and
+goes to the sequence's stream; a finished sequence gets its final result."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+import torch
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.sequence import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    ErrorEvent,
+    Event,
+    FinalResult,
+    Sequence,
+    TokenEvent,
+    TokenInfo,
+)
+from tokenmill.sampling.grammar import batch_allowed
+from tokenmill.sampling.sampler import SequenceSampler, prompt_logprobs
+from tokenmill.sampling.setup import new_sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceState:
+    """What the engine keeps per admitted sequence."""
+
+    sampler: SequenceSampler
+    detokenizer: IncrementalDetokenizer
+    stop_window: str = ""
+    """The newest output text, special tokens included, that stop sequences are matched in."""
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end a sequence: the model's generation config's and the tokenizer's."""
+    return eos_ids_of(getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer)
+
+
+def eos_ids_of(generation_eos: int | list[int] | None, tokenizer: Any) -> set[int]:
+    """``generation_eos`` (an id or a list of them, from a generation config) and the tokenizer's eos id."""
+    ids: set[int] = set()
+    for value in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def emit(seq: Sequence, event: Event) -> None:
+    """Push ``event`` to the sequence's stream; a stream that fails must not stop the engine."""
+    try:
+        seq.stream.push(seq.choice, event)
+    except Exception:  # noqa: BLE001 - a closed stream must not stop the engine
+        log.exception("could not deliver an event to sequence %d", seq.id)
+
+
+class Output:
+    """Turns the tokens chosen for sequences into their events and final results."""
+
+    def __init__(self, tokenizer: Any, eos_ids: set[int], pm: pluggy.PluginManager | None,
+                 watermark: tuple[float, float]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.pm = pm
+        self.watermark = watermark
+        """Green-list share and logit bias for requests that ask for a watermark."""
+
+    def start(self, seq: Sequence) -> SequenceState:
+        """A new sequence's sampler (its processors, grammar and seed) and detokenizer."""
+        sampler = new_sampler(seq.request, seq.seed, seq.prompt_len, frozenset(self.eos_ids), self.watermark, self.pm)
+        return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer))
+
+    def token_info(self, token_id: int, logprob: float | None) -> TokenInfo:
+        """One token as the API reports it, its text decoded alone."""
+        return TokenInfo(token_id, self.tokenizer.decode([token_id]), logprob, token_id in self.special_ids)
+
+    def prompt_token_infos(self, prompt_ids: list[int], logprobs: list[float | None]) -> list[TokenInfo]:
+        """The prompt's tokens with their log-probabilities, as ``decoder_input_details`` reports them."""
+        return [self.token_info(i, lp) for i, lp in zip(prompt_ids, logprobs)]
+
+    def prompt_tokens(self, prompt_ids: list[int], logits: torch.Tensor) -> list[TokenInfo]:
+        return self.prompt_token_infos(prompt_ids, prompt_logprobs(prompt_ids, logits))
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Choose each sequence's next token from its row of ``logits`` and hand it on; the
+        sequences that finished (or failed, or were cancelled) are returned."""
+        finished = []
+        masks = self.grammar_masks(seqs)
+        for row, seq in enumerate(seqs):
+            if seq.cancelled:
+                finished.append(seq)
+                continue
+            try:
+                state: SequenceState = seq.state
+                history = seq.token_ids if state.sampler.needs_history else []
+                choice = state.sampler.choose(history, logits[row], masks.get(seq.id))
+                if self.accept_token(seq, choice.token_id, choice.logprob, choice.top):
+                    finished.append(seq)
+            except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+                log.exception("sequence %d failed", seq.id)
+                emit(seq, ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def grammar_masks(seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """The next-token mask of each constrained sequence, by id, computed for all of them at once."""
+        constrained = [s for s in seqs if not s.cancelled and s.state.sampler.matcher is not None]
+        if not constrained:
+            return {}
+        try:
+            allowed = batch_allowed([s.state.sampler.matcher for s in constrained])
+        except Exception:  # noqa: BLE001 - each sampler then computes its own mask, and fails alone if it must
+            log.exception("computing the grammar masks of the batch failed")
+            return {}
+        return {seq.id: allowed[i] for i, seq in enumerate(constrained)}
+
+    def accept_token(self, seq: Sequence, token_id: int, logprob: float | None,
+                     top: list[tuple[int, float]] | None = None) -> bool:
+        """Append a chosen token to ``seq``: detokenize it, check the stop criteria and send its event.
+        True when the sequence has finished (its final event is sent; the caller releases it)."""
+        state: SequenceState = seq.state
+        seq.generated_ids.append(token_id)
+        seq.num_computed = seq.total_len - 1  # every token but the newest is in the KV cache
+        special = token_id in self.special_ids
+        text = state.detokenizer.push(token_id)
+        if special:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        reason = self.finish_reason(seq, token_id, text)
+        if reason is not None and not special:
+            text += state.detokenizer.finish()
+        token = TokenInfo(token_id, text, logprob, special)
+        top_tokens = [self.token_info(i, lp) for i, lp in top or ()]
+        seq.tokens.append(token)
+        seq.top_tokens.append(top_tokens)
+        final = None
+        if reason is not None:
+            seq.finish_reason = reason
+            final = self.final(seq, reason)
+        emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top_tokens, final=final))
+        return reason is not None
+
+    def finish_reason(self, seq: Sequence, token_id: int, new_text: str) -> str | None:
+        if len(seq.generated_ids) >= seq.request.max_new_tokens:
+            return FINISH_LENGTH
+        if token_id in self.eos_ids:
+            return FINISH_EOS
+        stops = seq.request.stop
+        if stops:
+            state: SequenceState = seq.state
+            longest = max(len(stop) for stop in stops)
+            window = state.stop_window + new_text
+            for stop in stops:
+                # Only matches that end in the new text count: earlier text was checked before.
+                if stop in window[max(0, len(state.stop_window) - len(stop) + 1) :]:
+                    return FINISH_STOP
+            state.stop_window = window[-longest:]
+        return None
+
+    @staticmethod
+    def final(seq: Sequence, reason: str) -> FinalResult:
+        state: SequenceState = seq.state
+        now = time.monotonic()
+        admitted = seq.admitted_at or now
+        text = state.detokenizer.text
+        if seq.request.return_full_text:
+            text = seq.request.inputs + text
+        return FinalResult(
+            generated_text=text,
+            finish_reason=reason,
+            tokens=list(seq.tokens),
+            top_tokens=list(seq.top_tokens),
+            prefill=list(seq.prefill_tokens),
+            seed=seq.seed if state.sampler.sampling else None,
+            input_length=seq.prompt_len,
+            queue_seconds=admitted - seq.arrived_at,
+            inference_seconds=now - admitted,
+            cached_tokens=seq.cached_tokens,
+        )

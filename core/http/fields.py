@@ -1,0 +1,40 @@
+"""Reading typed fields out of JSON request bodies (TGI's parameters and OpenAI's fields alike):
+a field of the wrong type is a validation error that names it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+MISSING: Any = object()
+"""Marks a field that is absent (where None, JSON's null, is a value of its own)."""
+
+
+class ValidationError(Exception):
+    """Invalid input: answered with 422 and ``error_type`` ``validation``."""
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], Any]]] = {
+    "number": ("a finite number", _is_number, float),
+    "integer": ("an integer", lambda v: _is_number(v) and float(v).is_integer(), int),
+    "boolean": ("a boolean", lambda v: isinstance(v, bool), bool),
+    "string": ("a string", lambda v: isinstance(v, str), str),
+    "object": ("an object", lambda v: isinstance(v, dict), dict),
+}
+
+
+def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """``body[name]`` checked to be of ``kind`` (number, integer, boolean, string, object) and
+    converted to it; ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    described, valid, convert = _KINDS[kind]
+    if not valid(value):
+        raise ValidationError(f"`{name}` must be {described}, got {value!r}")
+    return convert(value)

@@ -1,0 +1,269 @@
+"""One generation request's life, whichever API it came by: a concurrency slot, its adapter
+pinned, its sequences submitted to the engine, their events read from the request's token
+stream until each ends (or the client leaves), and the request reported once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import falcon.asgi
+
+from tokenmill.engine import Engine
+from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, Sequence, TokenEvent
+from tokenmill.engine.stream import StreamClosed, TokenStream
+from tokenmill.http.body import ApiError
+from tokenmill.http.context import on_disconnect, record_of, watch_receive
+from tokenmill.http.state import ServerState, Slot, adapter_api_error
+from tokenmill.http.validation import Validator
+from tokenmill.model.lora import AdapterBusy, AdapterError
+from tokenmill.observability.telemetry import RequestRecord
+
+Job = tuple[GenerationRequest, "int | None"]
+"""One sequence to run: its request and its seed (None: the request's own, or a new one)."""
+
+
+def per_prompt(requests: list[GenerationRequest], counts: list[int]) -> int:
+    """The sum of ``counts`` over the distinct requests (the choices of one prompt count once)."""
+    seen: dict[int, int] = {}
+    for request, count in zip(requests, counts):
+        seen.setdefault(id(request), count)
+    return sum(seen.values())
+
+
+def timing_headers(resp: falcon.asgi.Response, record: RequestRecord, request: GenerationRequest, device: str) -> None:
+    """TGI's response headers of a whole (not streamed) response: times in milliseconds but
+    ``x-compute-time``, in seconds."""
+    total = time.monotonic() - record.started_monotonic
+    resp.set_headers({
+        "x-compute-type": device,
+        "x-compute-time": f"{total:.6f}",
+        "x-compute-characters": str(len(request.inputs)),
+        "x-total-time": str(int(total * 1000)),
+        "x-validation-time": str(int(record.validation_seconds * 1000)),
+        "x-queue-time": str(int(record.queue_seconds * 1000)),
+        "x-inference-time": str(int(record.inference_seconds * 1000)),
+        "x-time-per-token": str(int(record.time_per_token_seconds * 1000)),
+        "x-prompt-tokens": str(record.input_tokens),
+        "x-generated-tokens": str(record.generated_tokens),
+    })
+
+
+def stream_headers(resp: falcon.asgi.Response, request: GenerationRequest, device: str) -> None:
+    """What a streamed response can say before its tokens exist (as TGI's streams do)."""
+    resp.content_type = "text/event-stream"
+    resp.set_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-compute-type": device,
+                      "x-compute-characters": str(len(request.inputs))})
+
+
+def cancel_on_disconnect(engine: Engine, seq: Sequence, stream: TokenStream) -> Callable[[], None]:
+    """A disconnect callback that cancels ``seq`` and wakes whoever reads ``stream``."""
+    def cancel() -> None:
+        engine.cancel(seq)
+        stream.close()
+
+    return cancel
+
+
+@dataclass
+class StreamRun:
+    """The sequences of one streamed response and what they hold until it ends."""
+
+    engine: Engine
+    seqs: list[Sequence]
+    stream: TokenStream
+    record: RequestRecord
+    slot: Slot
+    completed: bool = False
+    """Every choice reached its end (the stream may close normally)."""
+
+
+class Generation:
+    """Runs validated requests through the engine, for TGI's generate routes and OpenAI's, each
+    holding one concurrency slot."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def validator(self) -> Validator:
+        assert self.state.validator is not None, "validation runs only once the model is ready"
+        return self.state.validator
+
+    @property
+    def device(self) -> str:
+        assert self.state.loaded is not None
+        return self.state.loaded.device.type
+
+    async def run_to_end(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+                         ) -> list[FinalResult]:
+        """Run each (request, seed) job as one sequence to its end, results in order; cancel them
+        all if the client leaves or one fails."""
+        engine = self.state.ready_engine()
+        streams = [TokenStream() for _ in jobs]
+        seqs = [engine.submit(request, stream, seed) for (request, seed), stream in zip(jobs, streams)]
+        for seq, stream in zip(seqs, streams):
+            on_disconnect(req, cancel_on_disconnect(engine, seq, stream))
+        watcher = asyncio.create_task(watch_receive(req))
+        try:
+            return list(await asyncio.gather(*(self.wait_final(stream) for stream in streams)))
+        except BaseException:
+            for seq in seqs:
+                engine.cancel(seq)
+            raise
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def wait_final(stream: TokenStream) -> FinalResult:
+        """The final result of the one sequence written into ``stream``."""
+        while True:
+            try:
+                _, event = await stream.next()
+            except StreamClosed:
+                raise ApiError(499, "client disconnected", "cancelled") from None
+            stream.sent()  # taken: a whole response never holds its sequence back
+            if isinstance(event, ErrorEvent):
+                raise ApiError(424 if event.error_type == "generation" else 503, event.message, event.error_type)
+            if event.final is not None:
+                return event.final
+
+    async def pin_adapter(self, slot: Slot, jobs: list[tuple[GenerationRequest, int | None]]
+                          ) -> list[tuple[GenerationRequest, int | None]]:
+        """The jobs with their LoRA adapter's weights, pinned in memory until ``slot`` is given back
+        (loaded on the tokenizer thread if it was evicted)."""
+        name = jobs[0][0].adapter_id
+        if name is None:
+            return jobs
+        adapters = self.state.adapters
+        assert adapters is not None, "validation lets adapter ids through only when adapters are served"
+        # Pinned here on the event loop, so that a request cancelled while its adapter loads holds no pin.
+        adapter = adapters.pin(name)
+        for _ in range(3):  # another request's load may evict it between our load and our pin
+            if adapter is not None:
+                break
+            try:
+                await self.state.on_tokenizer_thread(adapters.load, name)
+            except (AdapterBusy, AdapterError) as error:
+                raise adapter_api_error(error) from None
+            adapter = adapters.pin(name)
+        if adapter is None:
+            raise ApiError(429, f"adapter {name!r} was evicted again while loading; retry", "overloaded")
+        slot.adapter = adapter
+        return [(replace(request, adapter=adapter), seed) for request, seed in jobs]
+
+    def started(self, record: RequestRecord, requests: list[GenerationRequest]) -> None:
+        """The request (one or, for a list of prompts, several) passed validation and goes to the engine."""
+        request = requests[0]
+        record.validation_seconds = time.monotonic() - record.started_monotonic
+        record.input_tokens = sum(len(r.input_ids) for r in requests)
+        record.max_new_tokens = request.max_new_tokens
+        record.parameters = request.parameters
+        record.inputs = request.inputs if self.state.config.log_prompts else None
+        self.state.pm.hook.tokenmill_request_started(
+            request_id=record.request_id, inputs=request.inputs, parameters=request.parameters)
+
+    def finished(self, record: RequestRecord, result: FinalResult | None, error: str | None = None,
+                 error_type: str | None = None, generated_tokens: int = 0, cached_tokens: int = 0) -> None:
+        """The request ended: ``result`` (its best or first sequence's, as TGI reports ``best_of``) on
+        success, else the error and the ``generated_tokens`` it had produced; ``cached_tokens`` of its
+        prompts came from the prefix cache."""
+        record.cached_tokens = cached_tokens
+        if result is not None:
+            record.queue_seconds, record.inference_seconds = result.queue_seconds, result.inference_seconds
+            record.finish_reason = result.finish_reason
+        record.generated_tokens = result.generated_tokens if result is not None else generated_tokens
+        if error is not None:
+            record.error, record.error_type = error, error_type or "generation"
+        self.state.telemetry.request_finished(record)
+        self.state.pm.hook.tokenmill_request_finished(
+            request_id=record.request_id,
+            finish_reason=result.finish_reason if result else None,
+            generated_tokens=record.generated_tokens,
+            error=error,
+        )
+
+    async def run_tracked(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+                          ) -> list[FinalResult]:
+        """``run_to_end`` holding one concurrency slot, reported when it ends."""
+        slot = self.state.take_slot()
+        record = record_of(req)
+        try:
+            self.started(record, list({id(request): request for request, _ in jobs}.values()))  # each prompt once
+            jobs = await self.pin_adapter(slot, jobs)
+            results = await self.run_to_end(req, jobs)
+        except ApiError as error:
+            self.finished(record, None, error.message, error.error_type)
+            raise
+        except BaseException as error:
+            kind = "cancelled" if isinstance(error, asyncio.CancelledError) else "internal"
+            self.finished(record, None, f"{type(error).__name__}: {error}", kind)
+            raise
+        finally:
+            slot.release()
+        self.finished(record, max(results, key=lambda r: r.logprob_sum()),
+                      cached_tokens=per_prompt([request for request, _ in jobs], [r.cached_tokens for r in results]))
+        return results
+
+    async def open_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                          jobs: list[tuple[GenerationRequest, int | None]], requests: list[GenerationRequest]
+                          ) -> StreamRun:
+        """Start the sequences of a streamed response: its slot, its adapter, the start hook, one
+        token stream of (choice, event) pairs, and cancellation the moment the client leaves."""
+        engine = self.state.ready_engine()
+        slot = self.state.take_slot()
+        record = record_of(req)
+        stream = TokenStream()
+        seqs: list[Sequence] = []
+        try:
+            jobs = await self.pin_adapter(slot, jobs)
+            self.started(record, requests)
+            for i, (request, seed) in enumerate(jobs):
+                seqs.append(engine.submit(request, stream, seed, choice=i))
+        except BaseException:
+            for seq in seqs:
+                engine.cancel(seq)
+            slot.release()
+            raise
+        for seq in seqs:
+            on_disconnect(req, cancel_on_disconnect(engine, seq, stream))
+        on_disconnect(req, slot.release)  # also when the response never starts streaming
+        stream_headers(resp, requests[0], self.device)
+        return StreamRun(engine, seqs, stream, record, slot)
+
+    async def stream_events(self, run: StreamRun) -> AsyncIterator[tuple[int, TokenEvent | ErrorEvent]]:
+        """The (choice, event) pairs of a streamed response until every choice has ended, or up to an
+        error event. However it ends (the client may leave), its sequences stop, its slot is given
+        back and the request is reported, once."""
+        first: FinalResult | None = None
+        error: ErrorEvent | None = None
+        running = len(run.seqs)
+        try:
+            while running:
+                try:
+                    index, event = await run.stream.next()
+                except StreamClosed:
+                    error = ErrorEvent("client disconnected", "cancelled")
+                    return
+                if isinstance(event, ErrorEvent):
+                    error = event  # before yielding: the reader may stop at it
+                    yield index, event
+                    return
+                yield index, event
+                run.stream.sent()  # asked for the next one: this one has been sent
+                if event.final is not None:
+                    running -= 1
+                    first = first or event.final
+            run.completed = True
+        finally:
+            if running:
+                for seq in run.seqs:
+                    run.engine.cancel(seq)
+                error = error or ErrorEvent("client disconnected", "cancelled")
+            run.slot.release()
+            self.finished(run.record, None if error else first, error.message if error else None,
+                          error.error_type if error else None,
+                          generated_tokens=sum(len(seq.generated_ids) for seq in run.seqs),
+                          cached_tokens=per_prompt([seq.request for seq in run.seqs],
+                                                   [seq.cached_tokens for seq in run.seqs]))

@@ -1,0 +1,250 @@
+"""OpenAI's request bodies read into engine requests: each body is translated into TGI's
+parameters and goes through the same validation; ``n`` choices are ``n`` sequences of one
+request. Unknown fields are ignored as OpenAI's server does; a known field of the wrong type is
+a 422 that names it."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill import __version__
+from tokenmill.engine.sequence import FinalResult, GenerationRequest
+from tokenmill.http.fields import MISSING, ValidationError, typed_field
+from tokenmill.http.openai.chat import (
+    ChatError,
+    parse_messages,
+    parse_tools,
+    render_prompt,
+    tool_grammar,
+    tools_to_offer,
+)
+from tokenmill.http.validation import Validator
+from tokenmill.sampling.grammar import Grammar, GrammarError
+
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs`` (chat); completions' ``logprobs`` stops at 5."""
+
+
+MAX_COMPLETION_LOGPROBS = 5
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``; chat defaults to the room left in the context."""
+
+
+def _stop_list(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise ValidationError("`stop` must be a string or a list of strings")
+
+
+def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+    """OpenAI's sampling fields as TGI parameters. OpenAI samples at temperature 1 unless told
+    otherwise; temperature 0 means greedy."""
+    params: dict[str, Any] = {}
+    temperature = typed_field(body, "temperature", "number")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise ValidationError(f"`temperature` must be between 0 and 2, got {temperature}")
+    greedy = temperature == 0
+    if not greedy:
+        params["do_sample"] = True
+        if temperature not in (None, 1):
+            params["temperature"] = temperature
+    top_p = typed_field(body, "top_p", "number")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValidationError(f"`top_p` must be > 0 and <= 1, got {top_p}")
+    top_k = typed_field(body, "top_k", "integer")
+    if not greedy:  # truncation would turn sampling back on
+        if top_p is not None and top_p < 1:
+            params["top_p"] = top_p
+        if top_k is not None:
+            params["top_k"] = top_k
+    seed = typed_field(body, "seed", "integer")
+    if seed is not None:
+        params["seed"] = seed % 2**64  # OpenAI takes any 64-bit integer
+    for name, tgi_name in (("presence_penalty", "presence_penalty"), ("frequency_penalty", "occurrence_penalty"),
+                           ("repetition_penalty", "repetition_penalty")):
+        value = typed_field(body, name, "number")
+        if value:
+            params[tgi_name] = value
+    max_tokens = typed_field(body, "max_completion_tokens", "integer")
+    if max_tokens is None:
+        max_tokens = typed_field(body, "max_tokens", "integer")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise ValidationError(f"`max_tokens` must be at least 1, got {max_tokens}")
+        params["max_new_tokens"] = max_tokens
+    params["stop"] = _stop_list(body)
+    if typed_field(body, "watermark", "boolean"):
+        params["watermark"] = True
+    if body.get("cache_salt") is not None:  # a top-level field, as vLLM takes it
+        params["cache_salt"] = body["cache_salt"]
+    return params
+
+
+def choice_count(body: dict[str, Any], limit: int, prompts: int = 1) -> int:
+    n = typed_field(body, "n", "integer")
+    n = 1 if n is None else n
+    if n < 1 or n * prompts > limit:
+        raise ValidationError(f"`n` must be >= 1 and `n` × prompts <= {limit} (--max-client-batch-size); "
+                              f"got n={n} for {prompts} prompt(s)")
+    return n
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = typed_field(body, "stream_options", "object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ValidationError("`stream_options.include_usage` must be a boolean")
+    return stream and include_usage
+
+
+@dataclass
+class OpenAIJob:
+    """What one OpenAI request asks the engine for: ``n`` sequences of each request, in choice order."""
+
+    requests: list[GenerationRequest]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    model: str
+    may_call_tool: bool = False
+    """Whether the output may be a tool call (the route then parses it as one)."""
+    echo: bool = False
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def sequences(self) -> list[tuple[GenerationRequest, int | None]]:
+        """(request, seed) per choice; choice i of a seeded request gets seed + i, so choices differ."""
+        jobs = []
+        for request in self.requests:
+            seed = request.sampling.seed
+            jobs += [(request, None if seed is None else (seed + i) % 2**64) for i in range(self.n)]
+        return jobs
+
+    def cached_tokens(self, results: list[FinalResult | None]) -> int:
+        """Prompt tokens served from the prefix cache, counted as the prompts are: once per prompt
+        (its first choice's), whatever ``n``."""
+        return sum(result.cached_tokens for result in results[:: self.n] if result is not None)
+
+    def common(self, kind: str) -> dict[str, Any]:
+        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{self.id}", "object": kind,
+                "created": self.created, "model": self.model, "system_fingerprint": f"tokenmill-{__version__}"}
+
+
+def parse_chat(validator: Validator, body: Any, model: str, priority: str | None) -> OpenAIJob:
+    """A chat completion request, checked and tokenized (runs on the tokenizer thread)."""
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object with `messages`")
+    stream = bool(typed_field(body, "stream", "boolean"))
+    config = validator.config
+    try:
+        messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body["tools"]) if body.get("tools") is not None else []
+        offered, text_allowed = tools_to_offer(tools, body.get("tool_choice"))
+        prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed)
+        grammar = tool_grammar(validator.grammars, offered, text_allowed) if offered else None
+    except ChatError as error:
+        raise ValidationError(str(error)) from None
+    params = sampling_parameters(body, None)
+    response_format = typed_field(body, "response_format", "object")
+    if response_format is not None and response_format.get("type", "text") != "text":
+        if grammar is not None:
+            raise ValidationError("`response_format` and `tools` cannot constrain the same output; "
+                                  'send one of them (or `tool_choice: "none"`)')
+        params["grammar"], grammar = _response_format_grammar(validator, response_format)
+    logprobs = bool(typed_field(body, "logprobs", "boolean"))
+    top_logprobs = typed_field(body, "top_logprobs", "integer")
+    if top_logprobs is not None:
+        if not logprobs:
+            raise ValidationError("`top_logprobs` needs `logprobs: true`")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValidationError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        params["top_n_tokens"] = top_logprobs
+    if priority is not None:
+        params["priority"] = priority
+    adapter = named_adapter(validator, body)
+    if adapter:
+        params["adapter_id"] = adapter
+    n = choice_count(body, config.max_client_batch_size)
+    request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
+                                 grammar=grammar)
+    return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, adapter or model,
+                     may_call_tool=bool(offered))
+
+
+def named_adapter(validator: Validator, body: dict[str, Any]) -> str | None:
+    """The LoRA adapter that ``model`` names, else None: any other name means the base model, as
+    clients written for one model send whatever name they were configured with."""
+    model = body.get("model")
+    served = validator.adapter_names() if validator.adapter_names is not None else []
+    return model if isinstance(model, str) and model in served else None
+
+
+def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
+    """The response format as TGI's ``grammar`` parameter (what hooks see) and compiled, once, here,
+    so that a broken schema is named by its field."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValidationError("`response_format.json_schema` must be an object with `name` and `schema`")
+        schema = spec["schema"]
+    else:
+        raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema", got {kind!r}')
+    try:
+        return {"type": "json", "value": schema}, validator.grammars.json_schema(schema)
+    except GrammarError as error:
+        raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
+
+
+def parse_completion(validator: Validator, body: Any, model: str, priority: str | None) -> OpenAIJob:
+    """A completion request: one prompt or a list, each with ``n`` choices (tokenizer thread)."""
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object with `prompt`")
+    prompt = body.get("prompt", MISSING)
+    if prompt is MISSING or prompt is None:
+        raise ValidationError("missing field `prompt`")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValidationError(
+            "`prompt` must be a string or a non-empty list of strings (token-id prompts are not supported)")
+    if body.get("suffix"):
+        raise ValidationError("`suffix` is not supported")
+    stream = bool(typed_field(body, "stream", "boolean"))
+    echo = bool(typed_field(body, "echo", "boolean"))
+    n = choice_count(body, validator.config.max_client_batch_size, len(prompts))
+    best_of = typed_field(body, "best_of", "integer")
+    if best_of not in (None, n):
+        raise ValidationError("`best_of` other than `n` is not supported")
+    params = sampling_parameters(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    logprobs = typed_field(body, "logprobs", "integer")
+    if logprobs is not None:
+        if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ValidationError(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}")
+        params["top_n_tokens"] = logprobs
+        if echo:
+            if stream:
+                raise ValidationError("`echo` with `logprobs` is not supported when streaming")
+            params["decoder_input_details"] = True
+    if priority is not None:
+        params["priority"] = priority
+    adapter = named_adapter(validator, body)
+    if adapter:
+        params["adapter_id"] = adapter
+    requests = [validator.generate(text, params, stream, max_top_n=MAX_COMPLETION_LOGPROBS) for text in prompts]
+    return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, adapter or model,
+                     echo=echo)

@@ -1,0 +1,229 @@
+"""OpenAI's response bodies and stream chunks, from the engine's results and events. Errors keep
+TGI's ``{"error", "error_type"}`` body, which the ``openai`` client reads as the message."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import falcon.asgi
+
+from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, TokenEvent, TokenInfo
+from tokenmill.http.openai.chat import ToolCall, parse_tool_call
+from tokenmill.http.openai.parse import OpenAIJob
+
+
+def finish_reason(result: FinalResult, called: bool = False) -> str:
+    if called:
+        return "tool_calls"
+    return "length" if result.finish_reason == FINISH_LENGTH else "stop"
+
+
+def without_stop(text: str, stops: tuple[str, ...]) -> str:
+    """OpenAI leaves the stop sequence out of the text (TGI keeps it)."""
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprob(token: TokenInfo, top: list[TokenInfo]) -> dict[str, Any]:
+    def entry(t: TokenInfo) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+
+    return {**entry(token), "top_logprobs": [entry(t) for t in top]}
+
+
+def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], ToolCall | None]:
+    call = parse_tool_call(result.generated_text) if job.may_call_tool else None
+    if call is not None:
+        return {"role": "assistant", "content": None, "tool_calls": [call.as_json()]}, call
+    return {"role": "assistant", "content": without_stop(result.generated_text, stops)}, None
+
+
+def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
+    request = job.requests[0]
+    choices = []
+    for index, result in enumerate(results):
+        message, call = chat_message(result, job, request.stop)
+        logprobs = None
+        if job.logprobs:
+            logprobs = {"content": [chat_logprob(t, top) for t, top in
+                                    zip(result.tokens, result.top_tokens or [[]] * len(result.tokens))
+                                    if not t.special]}
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason(result, call is not None)})
+    completion_tokens = sum(r.generated_tokens for r in results)
+    return {**job.common("chat.completion"), "choices": choices,
+            "usage": usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))}
+
+
+def completion_logprobs(tokens: list[TokenInfo], tops: list[list[TokenInfo]], start: int) -> dict[str, Any]:
+    offsets, position = [], start
+    for token in tokens:
+        offsets.append(position)
+        position += len(token.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [({t.text: t.logprob for t in top} if top else None) for top in tops],
+            "text_offset": offsets}
+
+
+def completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
+    choices = []
+    for index, result in enumerate(results):
+        request = job.requests[index // job.n]
+        text = without_stop(result.generated_text, request.stop)
+        logprobs = None
+        if job.logprobs:
+            tokens = [t for t in result.tokens if not t.special]
+            tops = [top for t, top in zip(result.tokens, result.top_tokens) if not t.special]
+            start = len(request.inputs) if job.echo else 0
+            logprobs = completion_logprobs(tokens, tops, start)
+            if job.echo:
+                prompt = completion_logprobs(result.prefill, [[] for _ in result.prefill], 0)
+                logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        choices.append({"index": index, "text": (request.inputs if job.echo else "") + text,
+                        "logprobs": logprobs, "finish_reason": finish_reason(result)})
+    prompt_tokens = sum(len(r.input_ids) for r in job.requests)
+    return {**job.common("text_completion"), "choices": choices,
+            "usage": usage_json(prompt_tokens, sum(r.generated_tokens for r in results), job.cached_tokens(results))}
+
+
+class StopHoldback:
+    """Streams text without the stop sequence: holds back any tail that could begin one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self.pending += text
+        cut = without_stop(self.pending, self.stops)
+        if len(cut) < len(self.pending):
+            self.stopped, self.pending = True, ""
+            return cut
+        keep = max((k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])),
+                   default=0)
+        ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return ready
+
+    def finish(self) -> str:
+        rest, self.pending = ("" if self.stopped else self.pending), ""
+        return rest
+
+
+class ChoiceStream:
+    """Turns one choice's token events into OpenAI stream chunks (chat or completion)."""
+
+    def __init__(self, job: OpenAIJob, index: int, chat: bool) -> None:
+        self.job, self.index, self.chat = job, index, chat
+        self.request = job.requests[index // job.n]
+        self.holdback = StopHoldback(self.request.stop)
+        self.buffering = job.may_call_tool
+        """A tool call is sent whole at the end; text answers stream once the first character shows it is text."""
+        self.buffered = ""
+        self.offset = 0
+        """Characters of this choice's text sent so far (completions' ``text_offset``)."""
+
+    def opening(self) -> dict[str, Any] | None:
+        if self.chat:
+            return self._chunk({"role": "assistant", "content": ""}, None, None)
+        if self.job.echo:
+            self.offset = len(self.request.inputs)
+            return self._text_chunk(self.request.inputs, None, None)
+        return None
+
+    def on_token(self, event: TokenEvent) -> list[dict[str, Any]]:
+        token = event.token
+        text = "" if token.special else self.holdback.push(token.text)
+        if event.final is not None:
+            text += self.holdback.finish()
+        chunks = []
+        logprobs = self._logprobs(event) if self.job.logprobs and not token.special else None
+        if self.buffering:
+            self.buffered += text
+            if self.buffered.strip():
+                self.buffering = self.buffered.lstrip().startswith("{")
+                if not self.buffering:
+                    text, self.buffered = self.buffered, ""
+        if not self.buffering and (text or logprobs):
+            chunks.append(self._text_chunk(text, logprobs, None))
+        if event.final is not None:
+            chunks += self._closing(event.final)
+        return chunks
+
+    def _closing(self, final: FinalResult) -> list[dict[str, Any]]:
+        call = parse_tool_call(self.buffered) if self.buffering else None
+        if call is not None:
+            delta = {"tool_calls": [{"index": 0, **call.as_json()}]}
+            return [self._chunk(delta, None, None), self._chunk({}, None, finish_reason(final, True))]
+        chunks = [self._text_chunk(self.buffered, None, None)] if self.buffered else []
+        return chunks + [self._text_chunk("", None, finish_reason(final))]
+
+    def _text_chunk(self, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            return self._chunk({"content": text} if text or not reason else {}, logprobs, reason)
+        return {**self.job.common("text_completion"),
+                "choices": [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+
+    def _chunk(self, delta: dict[str, Any], logprobs: Any, reason: str | None) -> dict[str, Any]:
+        return {**self.job.common("chat.completion.chunk"),
+                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+    def _logprobs(self, event: TokenEvent) -> Any:
+        if self.chat:
+            return {"content": [chat_logprob(event.token, event.top_tokens)]}
+        logprobs = completion_logprobs([event.token], [event.top_tokens], self.offset)
+        self.offset += len(event.token.text)
+        return logprobs
+
+
+class OpenAIStream:
+    """The SSE events of a streamed OpenAI response, from the (choice, event) pairs of its sequences."""
+
+    def __init__(self, job: OpenAIJob, chat: bool) -> None:
+        self.job = job
+        self.choices = [ChoiceStream(job, i, chat) for i in range(len(job.requests) * job.n)]
+        self.completion_tokens = 0
+        self.finals: list[FinalResult | None] = [None] * len(self.choices)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [chunk for choice in self.choices if (chunk := choice.opening()) is not None]
+
+    def on_event(self, index: int, event: TokenEvent) -> list[dict[str, Any]]:
+        self.completion_tokens += 1
+        if event.final is not None:
+            self.finals[index] = event.final
+        chunks = self.choices[index].on_token(event)
+        if self.job.include_usage:
+            for chunk in chunks:
+                chunk["usage"] = None
+        return chunks
+
+    def closing(self) -> list[dict[str, Any]]:
+        if not self.job.include_usage:
+            return []
+        prompt_tokens = sum(len(r.input_ids) for r in self.job.requests)
+        kind = "chat.completion.chunk" if self.choices[0].chat else "text_completion"
+        usage = usage_json(prompt_tokens, self.completion_tokens, self.job.cached_tokens(self.finals))
+        return [{**self.job.common(kind), "choices": [], "usage": usage}]
+
+
+async def sse_events(events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[falcon.asgi.SSEvent]:
+    """Each chunk as an SSE ``data:`` event, then ``data: [DONE]`` once the stream ends normally."""
+    async for chunk in events:
+        if chunk is None:
+            yield falcon.asgi.SSEvent(data=b"[DONE]")
+            return
+        yield falcon.asgi.SSEvent(data=json.dumps(chunk).encode())

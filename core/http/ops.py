@@ -1,0 +1,183 @@
+"""The operational routes: /health /info /metrics /queue /adapters /reset_prefix_cache /debug/profile."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from typing import Any
+
+import falcon
+import falcon.asgi
+
+from tokenmill import __version__
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.state import ServerState, adapter_api_error
+from tokenmill.model.lora import AdapterBusy, AdapterCache, AdapterError
+from tokenmill.observability.profiling import MAX_SECONDS, ProfileError, record_flame_graph
+
+
+class MetricsRoute:
+    """Prometheus text exposition: TGI's metric names and buckets (see ``tokenmill.observability.metrics``)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.data = self.state.metrics.exposition()
+
+
+class QueueRoute:
+    """``GET /queue``: who waits and who runs, without prompt text."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        engine = self.state.ready_engine()
+        view = engine.queue_view()
+        resp.media = {"queue_size": len(view["pending"]), "batch_size": len(view["running"]),
+                      "scheduler": self.state.config.scheduler, **view}
+
+
+class AdaptersRoute:
+    """``GET /adapters``: the LoRA adapters known and in memory. ``POST /adapters``
+    ``{"id": ..., "path": ...}`` loads one while serving (behind ``--api-key``; ``path`` may be
+    omitted for an id in the local Hugging Face cache)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def cache(self) -> AdapterCache:
+        self.state.ready_engine()
+        if self.state.adapters is None:
+            raise ApiError(404, "this server serves no LoRA adapters: start it with --lora-adapters or "
+                                "--lora-cache-limit", "not_found")
+        return self.state.adapters
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        cache = self.cache()
+        resp.media = {"adapters": cache.names, **cache.usage()}
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        cache = self.cache()
+        body = await read_json(req, self.state.config.payload_limit)
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(
+                body.get("path", body.get("id")), str):
+            raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")
+        name, source = body["id"], body.get("path", body["id"])
+        try:
+            adapter = await self.state.on_tokenizer_thread(cache.register, name, source)
+        except (AdapterBusy, AdapterError) as error:
+            raise adapter_api_error(error) from None
+        resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),
+                      "path": str(adapter.path)}
+
+
+class ResetPrefixCacheRoute:
+    """``POST /reset_prefix_cache`` (vLLM's route): drop every cached KV block that no sequence holds,
+    between two engine steps. Behind ``--api-key``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        engine = self.state.ready_engine()
+        loop = asyncio.get_running_loop()
+        dropped: asyncio.Future[int] = loop.create_future()
+        engine.reset_prefix_cache(lambda count: loop.call_soon_threadsafe(dropped.set_result, count))
+        resp.media = {"prefix_caching": self.state.prefix_caching_off is None, "dropped_blocks": await dropped}
+
+
+class HealthRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self.state.draining:
+            raise ApiError(503, "the server is shutting down", "unhealthy")
+        self.state.ready_engine()
+        resp.status = falcon.HTTP_200
+        resp.text = ""
+
+
+class InfoRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        state, config = self.state, self.state.config
+        loaded = state.loaded
+        resp.media = {
+            "model_id": loaded.model_id if loaded else config.model_id,
+            "model_sha": None,
+            "model_dtype": str(loaded.dtype).replace("torch.", "") if loaded else config.dtype,
+            "quantize": loaded.quantization if loaded else config.quantize,
+            "num_shard": config.num_shard,
+            "model_device_type": loaded.device.type if loaded else None,
+            "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_best_of": config.max_best_of,
+            "max_stop_sequences": config.max_stop_sequences,
+            "max_input_tokens": config.max_input_tokens,
+            "max_total_tokens": config.max_total_tokens,
+            "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
+            "max_batch_total_tokens": config.max_batch_total_tokens,
+            "max_batch_size": config.max_batch_size,
+            "max_top_n_tokens": config.max_top_n_tokens,
+            "validation_workers": 1,
+            "max_client_batch_size": 1,
+            "router": "tokenmill",
+            "version": __version__,
+            "sha": None,
+            "docker_label": os.environ.get("DOCKER_LABEL"),
+            "backend": state.chosen.backend.name if state.chosen else config.backend,
+            "attention": plugin_name(state.chosen.attention) if state.chosen else config.attention,
+            "scheduler": config.scheduler,
+            "kv_allocator": plugin_name(state.chosen.kv_allocator) if state.chosen else config.kv_allocator,
+            "block_size": (state.chosen.block_size
+                           if state.chosen and state.chosen.backend.kv_layout == "paged" else None),
+            "prefix_caching": state.engine is not None and state.prefix_caching_off is None,
+            "prefix_caching_off_reason": state.prefix_caching_off,
+            "kv": state.engine.runner.kv_usage() if state.engine else None,
+            "lora_adapters": state.adapters.names if state.adapters is not None else None,
+            "ready": state.engine is not None and state.engine.healthy,
+            "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
+            "load_stages": state.stages.done,
+            "queue_size": state.engine.queue_size if state.engine else 0,
+            "batch_size": state.engine.batch_size if state.engine else 0,
+        }
+
+
+def plugin_name(chosen: Any) -> str | None:
+    """A chosen plugin's name; None where the backend's own engine does that part."""
+    return chosen.name if chosen is not None else None
+
+
+class ProfileRoute:
+    """Samples every thread of the server (the engine's forward included, and threads that wait:
+    an idle server still gives a graph) for ``seconds`` (1-60, default 10) and answers the SVG.
+    One profile at a time."""
+
+    def __init__(self) -> None:
+        self.busy = asyncio.Lock()
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        py_spy = shutil.which("py-spy")
+        if py_spy is None:
+            raise ApiError(501, "profiling needs py-spy: pip install 'tokenmill[profile]'", "unavailable")
+        try:
+            seconds = int(req.get_param("seconds") or 10)
+        except ValueError:
+            raise ApiError(422, "seconds must be a whole number", "validation") from None
+        if not 1 <= seconds <= MAX_SECONDS:
+            raise ApiError(422, f"seconds must be between 1 and {MAX_SECONDS} (got {seconds})", "validation")
+        if self.busy.locked():
+            raise ApiError(429, "a profile is being recorded already", "overloaded")
+        async with self.busy:
+            try:
+                resp.data = await record_flame_graph(py_spy, seconds)
+            except ProfileError as error:
+                raise ApiError(500, str(error), "profiling") from None
+        resp.content_type = "image/svg+xml"

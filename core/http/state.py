@@ -1,0 +1,226 @@
+"""What the routes share: the server's state (config, plugins, the loaded model, the engine),
+its readiness and drain, and the ``--max-concurrent-requests`` slots."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pluggy
+
+from tokenmill.config import Config
+from tokenmill.engine import Engine
+from tokenmill.engine.sequence import PRIORITY_CLASSES
+from tokenmill.engine.startup import start_engine
+from tokenmill.http.body import ApiError
+from tokenmill.http.validation import Validator
+from tokenmill.model import sharding
+from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
+from tokenmill.model.lora import Adapter, AdapterBusy, AdapterCache, AdapterError
+from tokenmill.model.sharding import ShardProcesses
+from tokenmill.observability.metrics import Metrics
+from tokenmill.observability.telemetry import Telemetry
+from tokenmill.plugin_manager import Chosen
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+ENGINE_STOP_SECONDS = 10.0
+"""After the grace period: how long the engine's current step may take to end."""
+
+
+ANSWER_SECONDS = 5.0
+"""... and how long the requests then get to write their error. With uvicorn's own 5 s for
+connections this bounds the time after the grace period (``serve.SHUTDOWN_MARGIN_SECONDS``)."""
+
+
+def adapter_api_error(error: AdapterBusy | AdapterError) -> ApiError:
+    """How an adapter that cannot be had now is answered: 429 while the cache is full of pinned
+    adapters, else 422."""
+    if isinstance(error, AdapterBusy):
+        return ApiError(429, str(error), "overloaded")
+    return ApiError(422, str(error), "validation")
+
+
+class Slot:
+    """One of the ``--max-concurrent-requests`` places, with the LoRA adapter its request pinned;
+    giving it back (once, whatever the path) unpins the adapter too."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.held = True
+        self.adapter: Adapter | None = None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.in_flight -= 1
+            if self.adapter is not None and self.state.adapters is not None:
+                self.state.adapters.release(self.adapter)
+
+
+class ServerState:
+    """Everything the routes share: config, plugins, the loaded model and the engine."""
+
+    def __init__(self, config: Config, pm: pluggy.PluginManager) -> None:
+        self.config = config
+        self.pm = pm
+        self.stages = Stages(observer=lambda stage, seconds, detail: pm.hook.tokenmill_load_stage(
+            stage=stage, seconds=seconds, detail=detail))
+        self.loaded: LoadedModel | None = None
+        self.validator: Validator | None = None
+        self.engine: Engine | None = None
+        self.shards: ShardProcesses | None = None
+        """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
+        self.shard_failure: str | None = None
+        self.shards_stopping = False
+        self.chosen: Chosen | None = None
+        self.adapters: AdapterCache | None = None
+        """The LoRA adapters (with --lora-adapters or --lora-cache-limit)."""
+        self.prefix_caching_off: str | None = None
+        """Once loaded: why prompts' computed prefixes are not reused, or None when they are."""
+        self.vocab_size = 0
+        self.in_flight = 0
+        self.draining = False
+        """Set by SIGTERM: /health and new requests say 503 while those in flight finish."""
+        self.metrics = Metrics(self.live_snapshot)
+        self.telemetry = Telemetry(self.metrics)
+        # Tokenizing a long prompt takes milliseconds: do it off the event loop, on one thread
+        # because a fast tokenizer must not be used from two threads at once.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+
+    # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
+
+    def load(self) -> None:
+        if self.config.num_shard > 1 and "RANK" not in os.environ:  # torchrun starts the other ranks itself
+            self.shards = ShardProcesses(self.config)
+            threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
+        started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
+        self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
+        self.config = started.config  # its limits settled for the model
+        self.prefix_caching_off = started.prefix_caching_off
+        adapters = started.adapters
+        self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size,
+                                   adapter_names=(lambda: adapters.names) if adapters is not None else None,
+                                   model_id=started.loaded.model_id,
+                                   unavailable_reason=started.engine.unavailable_reason)
+        assert self.config.max_input_tokens and self.config.max_total_tokens
+        self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
+        started.engine.step_observer = self.metrics.step_finished
+        started.engine.start()
+        self.engine = started.engine
+
+    def _watch_shards(self) -> None:
+        """Start the other ranks, then watch them: a shard that ends ends the server. /health says 503 at
+        once, the process exits a moment later (exit status 3, which also stops gunicorn instead of
+        restarting the worker). The shards are started from this thread because it lives as long as
+        the process: Linux ends them when the thread that started them ends."""
+        assert self.shards is not None
+        self.shards.start()
+        while self.shard_failure is None and not self.shards_stopping:
+            ended = self.shards.first_exit()
+            if ended is not None:
+                rank, code = ended
+                self.shard_failure = f"shard {rank} of {self.config.num_shard} exited with status {code}"
+                log.error("%s; the server stops", self.shard_failure)
+                time.sleep(1.0)
+                self.shards.stop(timeout=2.0)
+                logging.shutdown()
+                os._exit(3)
+            time.sleep(0.2)
+
+    def stop_shards(self) -> None:
+        """Tell the shards to end (when the engine has stopped), then make sure they did."""
+        self.shards_stopping = True  # shards that now exit 0 are not a failure
+        if self.config.num_shard > 1 and self.engine is not None and self.shard_failure is None:
+            def tell_and_leave() -> None:
+                sharding.broadcast(sharding.STOP)
+                sharding.leave_group()
+
+            sender = threading.Thread(target=tell_and_leave, daemon=True)
+            sender.start()
+            sender.join(5.0)
+        if self.shards is not None:
+            self.shards.stop()
+
+    def _set_chosen(self, chosen: Chosen) -> None:
+        self.chosen = chosen
+
+    def load_or_exit(self) -> None:
+        try:
+            self.load()
+        except Exception as error:  # noqa: BLE001 - report one line, then stop the process
+            message = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
+            log.error("startup failed: %s", message)
+            logging.shutdown()
+            os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
+
+    def ready_engine(self) -> Engine:
+        if self.shard_failure is not None:
+            raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
+        if self.engine is None:
+            stage = self.stages.current or "starting"
+            raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
+        if not self.engine.healthy:
+            raise ApiError(503, "the engine has stopped", "unhealthy")
+        return self.engine
+
+    async def drain(self, grace: float, now: asyncio.Event) -> None:
+        """SIGTERM: refuse new requests (503) and let those in flight finish, for up to ``grace`` seconds
+        or until ``now`` is set (a second signal); then end the rest with an error (a stream's last
+        event) and wait until their responses are written."""
+        self.draining = True
+        telemetry = self.telemetry
+        log.info("draining: %d requests in flight, up to %gs to finish", telemetry.open_requests, grace)
+        deadline = time.monotonic() + grace
+        while telemetry.open_requests and not now.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if telemetry.open_requests and self.engine is not None:
+            log.warning("ending %d requests still in flight", telemetry.open_requests)
+            await asyncio.to_thread(self.engine.stop, ENGINE_STOP_SECONDS)
+            deadline = time.monotonic() + ANSWER_SECONDS
+            while telemetry.open_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        log.info("drained")
+
+    def live_snapshot(self) -> dict[str, Any]:
+        """What the gauges of /metrics read at scrape time (empty while loading)."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        view = engine.queue_view()
+        return {
+            "queue_size": engine.queue_size,
+            "batch_size": engine.batch_size,
+            "batch_max_tokens": sum(entry["prompt_tokens"] + entry["max_new_tokens"] for entry in view["running"]),
+            "in_flight": self.in_flight,
+            "queue_by_class": {name: sum(1 for entry in view["pending"] if entry["priority"] == name)
+                               for name in PRIORITY_CLASSES},
+            "kv": engine.kv_usage(),
+            "lora": self.adapters.usage() if self.adapters is not None else None,
+            "preemptions": engine.preemptions,
+            "suspensions": engine.suspensions,
+            "prefix_cache": {"queried_tokens": engine.batch.prefix_queried_tokens,
+                             "hit_tokens": engine.batch.prefix_hit_tokens} if engine.batch.prefix_caching else None,
+        }
+
+    async def on_tokenizer_thread(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on the tokenizer thread (tokenizing, compiling grammars and loading adapters
+        take milliseconds or more), in this request's context (its log lines carry its id)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_thread, contextvars.copy_context().run, call, *args)
+
+    def take_slot(self) -> Slot:
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise ApiError(429, "Model is overloaded", "overloaded")
+        self.in_flight += 1
+        return Slot(self)

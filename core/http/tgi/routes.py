@@ -1,0 +1,124 @@
+"""TGI's generation routes (``/generate``, ``/generate_stream``, ``/``) and ``/tokenize``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import falcon.asgi
+
+from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.context import record_of, with_header_priority
+from tokenmill.http.generation import Generation, StreamRun, timing_headers
+from tokenmill.http.state import ServerState
+from tokenmill.http.validation import ValidationError, parse_body
+
+
+def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "finish_reason": result.finish_reason,
+        "generated_tokens": result.generated_tokens,
+        "seed": result.seed,
+        "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in result.prefill],
+        "tokens": [t.as_json() for t in result.tokens],
+    }
+    if with_top:
+        body["top_tokens"] = [[t.as_json() for t in step] for step in result.top_tokens]
+    return body
+
+
+def stream_json(event: TokenEvent, request: GenerationRequest) -> dict[str, Any]:
+    """One event of a TGI stream."""
+    final = event.final
+    details = None
+    if final is not None and request.details:
+        details = {
+            "finish_reason": final.finish_reason,
+            "generated_tokens": final.generated_tokens,
+            "seed": final.seed,
+            "input_length": final.input_length,
+        }
+    return {
+        "index": event.index,
+        "token": event.token.as_json(),
+        "top_tokens": [t.as_json() for t in event.top_tokens],
+        "generated_text": final.generated_text if final is not None else None,
+        "details": details,
+    }
+
+
+class GenerateRoute:
+    """``POST /generate`` (``stream=False``), ``/generate_stream`` (True) and ``/`` (None: the body's
+    ``stream`` decides, and a whole answer is a list)."""
+
+    def __init__(self, generation: Generation, stream: bool | None) -> None:
+        self.generation = generation
+        self.state = generation.state
+        self.stream = stream
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        request, stream = await self.prepare(req)
+        if stream:
+            run = await self.generation.open_stream(req, resp, [(request, None)], [request])
+            resp.sse = self.events(run, request)
+        else:
+            await self.respond_json(req, resp, request, as_list=self.stream is None)
+
+    async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
+        self.state.ready_engine()
+        body = await read_json(req, self.state.config.payload_limit)
+        stream = self.stream if self.stream is not None else bool(isinstance(body, dict) and body.get("stream"))
+        try:
+            inputs, params = parse_body(body)
+            params = with_header_priority(req, params)
+            request = await self.state.on_tokenizer_thread(self.generation.validator().generate, inputs, params,
+                                                           stream)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
+        return request, stream
+
+    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                           request: GenerationRequest, as_list: bool) -> None:
+        results = await self.generation.run_tracked(req, [(request, None)] * request.best_of)
+        best = max(results, key=lambda r: r.logprob_sum())
+        body: dict[str, Any] = {"generated_text": best.generated_text}
+        if request.details:
+            body["details"] = details_json(best, request.top_n_tokens > 0)
+            if request.best_of > 1:
+                body["details"]["best_of_sequences"] = [
+                    {"generated_text": r.generated_text, **details_json(r, request.top_n_tokens > 0)}
+                    for r in results if r is not best
+                ]
+        timing_headers(resp, record_of(req), request, self.generation.device)
+        resp.media = [body] if as_list else body
+
+    async def events(self, run: StreamRun, request: GenerationRequest) -> AsyncIterator[falcon.asgi.SSEvent]:
+        async with contextlib.aclosing(self.generation.stream_events(run)) as events:
+            async for _, event in events:
+                body = event.as_json() if isinstance(event, ErrorEvent) else stream_json(event, request)
+                yield falcon.asgi.SSEvent(json=body)
+
+
+class TokenizeRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        self.state.ready_engine()
+        body = await read_json(req, self.state.config.payload_limit)
+        try:
+            inputs, _ = parse_body(body)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
+        assert self.state.loaded is not None
+        tokenizer = self.state.loaded.tokenizer
+        if not getattr(tokenizer, "is_fast", False):
+            raise ApiError(404, "No fast tokenizer available", "tokenizer")
+        encoding = await self.state.on_tokenizer_thread(
+            lambda: tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True))
+        resp.media = [
+            {"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+        ]

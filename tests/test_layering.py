@@ -1,0 +1,353 @@
+"""The architecture's rules, checked on the static import graph of core/ and plugins/.
+
+Every ``.py`` under core/ (package ``tokenmill``) and plugins/ (package ``tokenmill_plugins``, less
+plugins/packages/, which holds separately installed distributions) is parsed with ``ast``; nothing is
+imported. An *arrow* is one runtime import of ``tokenmill...``, ``tokenmill_plugins...`` or ``falcon...``:
+
+* imports inside functions count (a lazy import is still a dependency);
+* imports under ``if TYPE_CHECKING:`` do not (they never run), though its ``else:`` branch does;
+* relative imports are resolved against the importing module;
+* ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``;
+* an old module path listed in ``tokenmill.MOVED_MODULES`` points at the module it moved to.
+
+Layers, top to bottom (a module may import its own layer or lower ones, never a higher one)::
+
+    tokenmill.cli, tokenmill.__main__
+    tokenmill.http
+    tokenmill.engine
+    tokenmill.sampling, tokenmill.model, tokenmill.kernels, tokenmill.observability
+    tokenmill.interfaces
+
+Beside the layers stand the shared foundations ``tokenmill`` (the package root), ``tokenmill.config``,
+``tokenmill.hookspecs`` and ``tokenmill.plugin_manager``: anything may import them, and they may
+import anything but the HTTP side and the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "core"
+PLUGINS = ROOT / "plugins"
+SKIPPED = (PLUGINS / "packages",)
+ROOT_PACKAGES = {CORE: "tokenmill", PLUGINS: "tokenmill_plugins"}
+TRACKED_ROOTS = ("tokenmill", "tokenmill_plugins", "falcon")
+
+ENGINE_THREAD = ("tokenmill.engine", "tokenmill.sampling", "tokenmill.model", "tokenmill.kernels",
+                 "tokenmill.interfaces")
+HTTP_SIDE = ("tokenmill.http", "falcon")
+FRONT_END = ("tokenmill.http", "tokenmill.cli")
+LAYERS: tuple[tuple[str, ...], ...] = (  # top to bottom
+    ("tokenmill.cli", "tokenmill.__main__"),
+    ("tokenmill.http",),
+    ("tokenmill.engine",),
+    ("tokenmill.sampling", "tokenmill.model", "tokenmill.kernels", "tokenmill.observability"),
+    ("tokenmill.interfaces",),
+)
+FOUNDATIONS = ("tokenmill", "tokenmill.config", "tokenmill.hookspecs", "tokenmill.plugin_manager")
+INTERFACES_MAY_IMPORT = ("tokenmill", "tokenmill.config")
+
+MAX_CORE_MODULE_LINES = 400
+ENGINE_LOOP_MODULES = ("core/engine/engine.py", "core/engine/batching.py", "core/engine/output.py")
+MAX_ENGINE_LOOP_LINES = 299  # "under 300"
+MAX_CORE_TOP_LEVEL_MODULES = 8
+
+
+# --- the import graph ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceModule:
+    name: str
+    path: Path
+    is_package: bool
+
+
+@dataclass(frozen=True, order=True)
+class Arrow:
+    source: str
+    target: str
+    where: str  # path:line, relative to the repository root
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target}  ({self.where})"
+
+
+def module_name(path: Path, root: Path, package: str) -> str:
+    """core/x/y.py -> tokenmill.x.y; core/x/__init__.py -> tokenmill.x; plugins/a/b.py -> tokenmill_plugins.a.b."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def source_module(path: Path, root: Path, package: str) -> SourceModule:
+    return SourceModule(module_name(path, root, package), path, path.name == "__init__.py")
+
+
+def source_modules() -> dict[str, SourceModule]:
+    modules: dict[str, SourceModule] = {}
+    for root, package in ROOT_PACKAGES.items():
+        for path in sorted(root.rglob("*.py")):
+            if not any(path.is_relative_to(skipped) for skipped in SKIPPED):
+                module = source_module(path, root, package)
+                modules[module.name] = module
+    return modules
+
+
+def moved_modules() -> dict[str, str]:
+    """``tokenmill.MOVED_MODULES`` (old import path -> new one), read from the source, not imported."""
+    for node in ast.parse((CORE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign):
+            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            names = [node.target.id]
+        else:
+            continue
+        if "MOVED_MODULES" in names:
+            return dict(ast.literal_eval(node.value))
+    return {}
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, at any depth, less the bodies of ``if TYPE_CHECKING:``."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def from_base(module: SourceModule, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` reads from."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
+    parts = package.split(".")
+    if node.level - 1 >= len(parts):
+        raise ValueError(f"{module.path}:{node.lineno}: relative import climbs above {parts[0]}")
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
+def import_targets(module: SourceModule, node: ast.Import | ast.ImportFrom, known: Iterable[str],
+                   moved: dict[str, str]) -> Iterator[str]:
+    """The modules one import statement points at, old (moved) paths replaced by their new homes."""
+    if isinstance(node, ast.Import):
+        yield from (moved.get(alias.name, alias.name) for alias in node.names)
+        return
+    base = from_base(module, node)
+    for alias in node.names:
+        submodule = moved.get(f"{base}.{alias.name}", f"{base}.{alias.name}")
+        yield submodule if submodule in known else moved.get(base, base)
+
+
+def is_tracked(target: str) -> bool:
+    return target.split(".")[0] in TRACKED_ROOTS
+
+
+def location(path: Path, line: int) -> str:
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return f"{shown}:{line}"
+
+
+def module_arrows(module: SourceModule, known: Iterable[str], moved: dict[str, str]) -> list[Arrow]:
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+    return [
+        Arrow(module.name, target, location(module.path, node.lineno))
+        for node in runtime_imports(tree)
+        for target in import_targets(module, node, known, moved)
+        if is_tracked(target)
+    ]
+
+
+def build_graph(modules: dict[str, SourceModule], moved: dict[str, str]) -> list[Arrow]:
+    known = set(modules)
+    return sorted({arrow for module in modules.values() for arrow in module_arrows(module, known, moved)})
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, SourceModule]:
+    return source_modules()
+
+
+@pytest.fixture(scope="module")
+def arrows(modules: dict[str, SourceModule]) -> list[Arrow]:
+    return build_graph(modules, moved_modules())
+
+
+# --- rule helpers -------------------------------------------------------------------------------
+
+
+def within(module: str, packages: Iterable[str]) -> bool:
+    """Whether ``module`` is one of ``packages`` or lies under one of them."""
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def layer(module: str) -> int | None:
+    """The module's layer, 0 at the top; None for the foundations and anything outside the layers."""
+    return next((rank for rank, packages in enumerate(LAYERS) if within(module, packages)), None)
+
+
+def offending(arrows: Iterable[Arrow], is_bad: Callable[[Arrow], bool]) -> list[Arrow]:
+    return [arrow for arrow in arrows if is_bad(arrow)]
+
+
+def report(rule: str, bad: list[Arrow]) -> str:
+    return f"{rule} — {len(bad)} offending import(s):\n" + "\n".join(f"  {arrow}" for arrow in bad)
+
+
+def plugin_of(module: str) -> str | None:
+    """``tokenmill_plugins.<kind>.<name>`` for a module inside a plugin, None for the package inits above."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[0] == "tokenmill_plugins" and len(parts) >= 3 else None
+
+
+def line_count(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+# --- the walker itself --------------------------------------------------------------------------
+
+
+def test_the_walker_counts_lazy_imports_resolves_relative_ones_and_skips_type_checking_blocks(tmp_path: Path) -> None:
+    package = tmp_path / "engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "sequence.py").write_text("")
+    (package / "engine.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import sequence\n"
+        "from .. import config, hookimpl\n"
+        "import tokenmill.loading\n"
+        "if TYPE_CHECKING:\n"
+        "    from tokenmill.http import app\n"
+        "else:\n"
+        "    import falcon.asgi\n"
+        "def later():\n"
+        "    from tokenmill.model import loading\n"
+    )
+    (tmp_path / "config.py").write_text("")
+    found = {module.name: module
+             for module in (source_module(p, tmp_path, "tokenmill") for p in tmp_path.rglob("*.py"))}
+    found["tokenmill.model.loading"] = SourceModule("tokenmill.model.loading", tmp_path / "absent.py", False)
+    moved = {"tokenmill.loading": "tokenmill.model.loading"}
+    targets = sorted(arrow.target for arrow in module_arrows(found["tokenmill.engine.engine"], set(found), moved))
+    assert targets == [
+        "falcon.asgi", "tokenmill", "tokenmill.config", "tokenmill.engine.sequence",
+        "tokenmill.model.loading", "tokenmill.model.loading",
+    ]
+
+
+def test_the_import_graph_covers_core_and_plugins(modules: dict[str, SourceModule], arrows: list[Arrow]) -> None:
+    assert {"tokenmill", "tokenmill.engine", "tokenmill.http", "tokenmill_plugins"} <= set(modules)
+    assert not any(within(name, ["tokenmill_plugins.packages"]) for name in modules)
+    assert arrows, "no imports found at all: the walker is broken"
+
+
+# --- rule 1: the engine thread never reaches the HTTP side ----------------------------------------
+
+
+def test_engine_thread_packages_never_import_the_http_side(arrows: list[Arrow]) -> None:
+    """engine, sampling, model, kernels and interfaces never import tokenmill.http (or below) or falcon."""
+    bad = offending(arrows, lambda a: within(a.source, ENGINE_THREAD) and within(a.target, HTTP_SIDE))
+    assert not bad, report("the engine thread's packages import the HTTP side", bad)
+
+
+# --- rule 2: arrows point down --------------------------------------------------------------------
+
+
+def test_every_core_module_has_a_place_in_the_layering(modules: dict[str, SourceModule]) -> None:
+    """A new core module joins a layer or the foundations; otherwise no layering rule would see it."""
+    unplaced = [name for name in modules if name.startswith("tokenmill.") and layer(name) is None
+                and name not in FOUNDATIONS]
+    assert not unplaced, f"core modules outside every layer and the foundations: {unplaced}"
+
+
+def test_imports_never_point_up_the_layers(arrows: list[Arrow]) -> None:
+    """cli > http > engine > (sampling, model, kernels, observability) > interfaces: import down or sideways."""
+    def points_up(arrow: Arrow) -> bool:
+        source, target = layer(arrow.source), layer(arrow.target)
+        return source is not None and target is not None and target < source
+
+    bad = offending(arrows, points_up)
+    assert not bad, report("imports point up the layers", bad)
+
+
+def test_shared_foundations_never_import_http_or_cli(arrows: list[Arrow]) -> None:
+    """tokenmill, config, hookspecs and plugin_manager are importable from anywhere, so they stay below the front
+    end."""
+    bad = offending(arrows, lambda a: a.source in FOUNDATIONS and within(a.target, FRONT_END))
+    assert not bad, report("the shared foundations import the HTTP side or the CLI", bad)
+
+
+def test_interfaces_import_only_the_package_root_and_config(arrows: list[Arrow]) -> None:
+    """At runtime tokenmill.interfaces needs only ``tokenmill`` (hookimpl, version) and tokenmill.config."""
+    def strays(arrow: Arrow) -> bool:
+        return (within(arrow.source, ["tokenmill.interfaces"]) and arrow.target not in INTERFACES_MAY_IMPORT
+                and not within(arrow.target, ["tokenmill.interfaces"]))
+
+    bad = offending(arrows, strays)
+    assert not bad, report("tokenmill.interfaces imports more than tokenmill and tokenmill.config", bad)
+
+
+# --- rule 3: plugins stand alone ------------------------------------------------------------------
+
+
+def test_a_plugin_never_imports_another_plugin(arrows: list[Arrow]) -> None:
+    """tokenmill_plugins.<kind>.<name> imports only itself and its own package inits from tokenmill_plugins."""
+    def crosses(arrow: Arrow) -> bool:
+        plugin = plugin_of(arrow.source)
+        if plugin is None or not within(arrow.target, ["tokenmill_plugins"]):
+            return False
+        own_inits = {"tokenmill_plugins", plugin.rpartition(".")[0]}
+        return arrow.target not in own_inits and not within(arrow.target, [plugin])
+
+    bad = offending(arrows, crosses)
+    assert not bad, report("plugins import other plugins", bad)
+
+
+def test_plugins_never_import_http_or_cli(arrows: list[Arrow]) -> None:
+    """Plugins build on tokenmill's core, never on its front end."""
+    bad = offending(arrows, lambda a: within(a.source, ["tokenmill_plugins"]) and within(a.target, FRONT_END))
+    assert not bad, report("plugins import the HTTP side or the CLI", bad)
+
+
+# --- rule 4: sizes --------------------------------------------------------------------------------
+
+
+def test_no_core_module_is_over_400_lines() -> None:
+    sizes = {str(path.relative_to(ROOT)): line_count(path) for path in sorted(CORE.rglob("*.py"))}
+    big = {path: lines for path, lines in sizes.items() if lines > MAX_CORE_MODULE_LINES}
+    assert not big, f"core modules over {MAX_CORE_MODULE_LINES} lines: {big}"
+
+
+@pytest.mark.parametrize("relative", ENGINE_LOOP_MODULES)
+def test_engine_loop_module_exists_and_is_under_300_lines(relative: str) -> None:
+    path = ROOT / relative
+    assert path.is_file(), f"{relative} does not exist: the engine loop lives in engine.py, batching.py and output.py"
+    lines = line_count(path)
+    assert lines <= MAX_ENGINE_LOOP_LINES, f"{relative} has {lines} lines; the engine loop modules stay under 300"
+
+
+def test_core_top_level_holds_at_most_8_modules() -> None:
+    top = sorted(path.name for path in CORE.glob("*.py"))
+    assert len(top) <= MAX_CORE_TOP_LEVEL_MODULES, (
+        f"core/ holds {len(top)} top-level modules (at most {MAX_CORE_TOP_LEVEL_MODULES}): {top}"
+    )
