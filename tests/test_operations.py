@@ -195,7 +195,7 @@ def test_the_container_entrypoint_maps_env_vars_and_flags_runs_gunicorn_and_drai
 
 def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
     from tokenmill.config import parse_config
-    from tokenmill.http import app as server
+    from tokenmill.http import state as server
     from tokenmill.http.serve import gunicorn_options
 
     options = gunicorn_options(parse_config(["--graceful-termination-timeout", "45", "--hostname", "::1",

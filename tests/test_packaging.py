@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import overlay_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -26,8 +27,7 @@ def test_wheel_installs_in_a_fresh_venv_with_its_builtin_plugins(tmp_path):
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
         str(source), cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("tokenmill-*.whl"))
-    run(sys.executable, "-m", "venv", "--system-site-packages", str(tmp_path / "venv"), cwd=tmp_path)
-    python = str(tmp_path / "venv" / "bin" / "python")
+    python = str(overlay_venv(tmp_path / "venv"))  # sees this interpreter's torch etc., a venv's or not
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel), cwd=tmp_path)
     where = run(python, "-c", "import tokenmill, tokenmill_plugins; print(tokenmill.__file__)", cwd=tmp_path)
     assert str(tmp_path / "venv") in where, "the wheel's tokenmill is the one imported"

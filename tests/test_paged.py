@@ -338,6 +338,6 @@ def test_start_up_gives_a_backend_with_mixed_steps_its_admission_defaults(backen
     config = Config(model_id=str(tiny_model_dir), backend=backend, compile_model=False, max_total_tokens=2048,
                     max_batch_total_tokens=8192)
     started = start_engine(config, build_plugin_manager(autoload=False), Stages())
-    assert (config.max_batch_prefill_tokens, config.waiting_served_ratio) == (budget, ratio)
+    assert (started.config.max_batch_prefill_tokens, started.config.waiting_served_ratio) == (budget, ratio)
     assert started.engine.queue.limits.waiting_served_ratio == ratio
     assert started.engine.prefill_budget == budget

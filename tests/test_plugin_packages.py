@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import re
-import site
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,37 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningServer, start_server
+from conftest import RunningServer, overlay_venv, start_server
 from engine_helpers import PROMPTS, reference_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "plugins" / "packages" / "tokenmill-example"
 VLLM_PLUGIN = ROOT / "plugins" / "packages" / "tokenmill-vllm"
-
-
-def running_site_dirs() -> list[str]:
-    """The site-packages directories of the interpreter running the tests, a venv's or a system install's."""
-    dirs = site.getsitepackages()
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
-
-
-def overlay_venv(venv: Path) -> Path:
-    """A fresh venv over the running interpreter's packages, and its python.
-
-    ``venv --system-site-packages`` would see the *base* interpreter's packages, which is not where a
-    user's venv keeps tokenmill and torch; instead a .pth file in the new venv's own site-packages adds
-    the running interpreter's site directories with :func:`site.addsitedir`, so their .pth files (an
-    editable install's finder) run too. They come after the venv's own directory: what is pip-installed
-    into the venv takes precedence."""
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in running_site_dirs())
-    (Path(own) / "zz-tokenmill-tests-overlay.pth").write_text(line + "\n")
-    return python
 
 
 @pytest.fixture(scope="module")

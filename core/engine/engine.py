@@ -3,8 +3,7 @@
 Each step: take new and cancelled requests from the HTTP side; plan the step (batching: make
 room in KV memory, preempt, admit); run it (one backend call prefills newcomers, and chunks of
 long prompts, while the running batch decodes a token); sample each sequence's token; emit it
-(output: detokenize, check stops, push to the request's token stream). The HTTP event loop never
-runs model code; this thread never waits on a client.
+(output: detokenize, check stops, push to the token stream). The event loop never runs model code.
 """
 
 from __future__ import annotations
@@ -126,8 +125,7 @@ class Engine:
                 raise RuntimeError(errors[0])
             if any(isinstance(e, TokenEvent) and e.final for e in events):
                 return
-        raise RuntimeError(
-            f"the warm-up request did not finish in {max_steps} steps (is the prefill budget too small?)")
+        raise RuntimeError(f"the warm-up did not finish in {max_steps} steps (is the prefill budget too small?)")
 
     # ---- the public surface of an engine-owning backend (engine thread) ---------------
 
@@ -186,8 +184,7 @@ class Engine:
         return self.output.accept_token(seq, token_id, logprob, top)
 
     def prompt_token_infos(self, prompt_ids: list[int], logprobs: list[float | None]) -> list[Any]:
-        """The prompt's tokens with their log-probabilities, as ``decoder_input_details`` reports them."""
-        return self.output.prompt_token_infos(prompt_ids, logprobs)
+        return self.output.prompt_token_infos(prompt_ids, logprobs)  # as decoder_input_details reports them
 
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""

@@ -17,6 +17,7 @@ from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
 from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
 from tokenmill.kernels import native as native_kernels
 from tokenmill.model import kv_memory, sharding
+from tokenmill.model.adapters import AdapterCache, load_adapters
 from tokenmill.model.compile import try_compile
 from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.model.loading import (
@@ -29,7 +30,6 @@ from tokenmill.model.loading import (
     pick_dtype,
     resolve_checkpoint,
 )
-from tokenmill.model.lora import AdapterCache, load_adapters
 from tokenmill.model.quantization import choose_quantizer
 from tokenmill.plugin_manager import AUTO_BACKENDS, Chosen, PluginError, choose_all
 

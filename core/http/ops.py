@@ -13,7 +13,8 @@ import falcon.asgi
 from tokenmill import __version__
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.state import ServerState, adapter_api_error
-from tokenmill.model.lora import AdapterBusy, AdapterCache, AdapterError
+from tokenmill.model.adapters import AdapterCache
+from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.profiling import MAX_SECONDS, ProfileError, record_flame_graph
 
 

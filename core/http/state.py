@@ -22,8 +22,9 @@ from tokenmill.engine.startup import start_engine
 from tokenmill.http.body import ApiError
 from tokenmill.http.validation import Validator
 from tokenmill.model import sharding
+from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
-from tokenmill.model.lora import Adapter, AdapterBusy, AdapterCache, AdapterError
+from tokenmill.model.lora import Adapter, AdapterBusy, AdapterError
 from tokenmill.model.sharding import ShardProcesses
 from tokenmill.observability.metrics import Metrics
 from tokenmill.observability.telemetry import Telemetry

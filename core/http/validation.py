@@ -104,13 +104,19 @@ class Validator:
             raise ValidationError(refused)
         return request
 
+    def served_adapter(self, requested: Any) -> str | None:
+        """``requested`` when it names an adapter served now, else None."""
+        known = self.adapter_names() if self.adapter_names is not None else []
+        return str(requested) if isinstance(requested, str) and requested in known else None
+
     def adapter(self, requested: Any, field_name: str) -> str | None:
         """The adapter a request names (None for the base model), or ValidationError listing the known ones."""
         if requested in (None, "") or requested == self.model_id:
             return None
+        served = self.served_adapter(requested)
+        if served is not None:
+            return served
         known = self.adapter_names() if self.adapter_names is not None else []
-        if requested in known:
-            return str(requested)
         if self.adapter_names is None:
             raise ValidationError(
                 f"`{field_name}`: this server serves no LoRA adapters (start it with --lora-adapters)")

@@ -187,9 +187,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
 def named_adapter(validator: Validator, body: dict[str, Any]) -> str | None:
     """The LoRA adapter that ``model`` names, else None: any other name means the base model, as
     clients written for one model send whatever name they were configured with."""
-    model = body.get("model")
-    served = validator.adapter_names() if validator.adapter_names is not None else []
-    return model if isinstance(model, str) and model in served else None
+    return validator.served_adapter(body.get("model"))
 
 
 def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
