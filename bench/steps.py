@@ -161,7 +161,8 @@ def main() -> None:
                     prefix_caching=args.prefix_caching,
                     max_batch_prefill_tokens=args.max_batch_prefill_tokens,
                     waiting_served_ratio=args.waiting_served_ratio)
-    started = start_ignoring_eos(config)  # resolves the limits left unset in config
+    started = start_ignoring_eos(config)
+    config = started.config  # its limits settled for the model
     tokenizer = started.loaded.tokenizer
     prompt_ids = [chat_ids(tokenizer, p["messages"]) for p in prompt_set()["prompts"]]
     result = run(started.engine, prompt_ids, args.concurrency, args.new_tokens, args.profile,

@@ -38,7 +38,7 @@ def tokenmill_backends() -> list[Backend]:
     model. Built in: `transformers`, `paged`, `flash`.
 
     A backend declares the KV layout it needs (`kv_layout`) and its default attention kernel and
-    KV allocator (`default_attention`, `default_kv_allocator`). Its `model_unsupported_reason(model)`
+    KV allocator (`default_attention`, `default_kv_allocator`). Its `model_unavailable_reason(model)`
     says why it cannot run a loaded model (or None), and `create(model, kv_store, attention)` returns
     a runner (`tokenmill.interfaces.BackendRunner`), whose only caller is the engine thread:
 

@@ -62,3 +62,15 @@ def test_an_old_module_is_reachable_as_an_attribute_of_the_package() -> None:
     assert tokenmill.startup is importlib.import_module("tokenmill.engine.startup")
     with pytest.raises(AttributeError):
         _ = tokenmill.no_such_module
+
+
+def test_a_backend_written_for_hooks_1_0_still_says_why_it_cannot_run_a_model() -> None:
+    from tokenmill.interfaces import Backend
+
+    class OldBackend(Backend):
+        name = "old"
+
+        def model_unsupported_reason(self, model: object) -> str | None:  # the 1.0 name
+            return "written for another architecture"
+
+    assert OldBackend().model_unavailable_reason(object()) == "written for another architecture"

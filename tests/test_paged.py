@@ -206,7 +206,7 @@ def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, e
     from tokenmill.model.loading import ModelLoadError
     from tokenmill_plugins.backends.paged import PagedBackend
 
-    monkeypatch.setattr(PagedBackend, "model_unsupported_reason", lambda self, model: "no AttentionInterface")
+    monkeypatch.setattr(PagedBackend, "model_unavailable_reason", lambda self, model: "no AttentionInterface")
     config = parse_config(["--model-id", str(tiny_model_dir), "--backend", backend], env={})
     state = ServerState(config, build_plugin_manager(autoload=False))
     if expected is None:
@@ -229,16 +229,16 @@ def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, e
 def test_models_the_paged_layout_would_get_wrong_are_refused(paged_model, change, reason):
     from tokenmill_plugins.backends.paged import PagedBackend
 
-    assert PagedBackend().model_unsupported_reason(paged_model) is None
+    assert PagedBackend().model_unavailable_reason(paged_model) is None
     change(paged_model.config)
-    assert reason in PagedBackend().model_unsupported_reason(paged_model)
+    assert reason in PagedBackend().model_unavailable_reason(paged_model)
 
 
 def test_flash_refuses_float32_models_so_auto_moves_on(paged_model):
     from tokenmill_plugins.backends.paged import FlashBackend
 
-    assert "float16 and bfloat16 only" in FlashBackend().model_unsupported_reason(paged_model)
-    assert FlashBackend().model_unsupported_reason(paged_model.to(torch.bfloat16)) is None
+    assert "float16 and bfloat16 only" in FlashBackend().model_unavailable_reason(paged_model)
+    assert FlashBackend().model_unavailable_reason(paged_model.to(torch.bfloat16)) is None
 
 
 def test_a_request_as_long_as_the_whole_pool_runs_alone_and_the_queue_moves_on(paged_model, tiny_model):

@@ -216,7 +216,7 @@ def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int
 
 def fit_backend(pm: pluggy.PluginManager, config: Config, chosen: Chosen, model: Any) -> Chosen:
     """The chosen plugins if the backend can run ``model``; with ``auto``, the next backend that can."""
-    unsupported = chosen.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+    unsupported = chosen.backend.model_unavailable_reason(model)  # type: ignore[attr-defined]
     if not unsupported:
         return chosen
     if config.backend != "auto":
@@ -229,7 +229,7 @@ def fit_backend(pm: pluggy.PluginManager, config: Config, chosen: Chosen, model:
         except PluginError as error:
             reasons.append(str(error))
             continue
-        reason = candidate.backend.model_unsupported_reason(model)  # type: ignore[attr-defined]
+        reason = candidate.backend.model_unavailable_reason(model)  # type: ignore[attr-defined]
         if reason is None:
             log.warning("%s; --backend auto takes the %s backend", "; ".join(reasons), name)
             return candidate

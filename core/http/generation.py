@@ -96,7 +96,7 @@ class Generation:
         assert self.state.loaded is not None
         return self.state.loaded.device.type
 
-    async def run_to_end(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+    async def run_to_end(self, req: falcon.asgi.Request, jobs: list[Job]
                          ) -> list[FinalResult]:
         """Run each (request, seed) job as one sequence to its end, results in order; cancel them
         all if the client leaves or one fails."""
@@ -129,8 +129,8 @@ class Generation:
             if event.final is not None:
                 return event.final
 
-    async def pin_adapter(self, slot: Slot, jobs: list[tuple[GenerationRequest, int | None]]
-                          ) -> list[tuple[GenerationRequest, int | None]]:
+    async def pin_adapter(self, slot: Slot, jobs: list[Job]
+                          ) -> list[Job]:
         """The jobs with their LoRA adapter's weights, pinned in memory until ``slot`` is given back
         (loaded on the tokenizer thread if it was evicted)."""
         name = jobs[0][0].adapter_id
@@ -184,7 +184,7 @@ class Generation:
             error=error,
         )
 
-    async def run_tracked(self, req: falcon.asgi.Request, jobs: list[tuple[GenerationRequest, int | None]]
+    async def run_tracked(self, req: falcon.asgi.Request, jobs: list[Job]
                           ) -> list[FinalResult]:
         """``run_to_end`` holding one concurrency slot, reported when it ends."""
         slot = self.state.take_slot()
@@ -207,7 +207,7 @@ class Generation:
         return results
 
     async def open_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                          jobs: list[tuple[GenerationRequest, int | None]], requests: list[GenerationRequest]
+                          jobs: list[Job], requests: list[GenerationRequest]
                           ) -> StreamRun:
         """Start the sequences of a streamed response: its slot, its adapter, the start hook, one
         token stream of (choice, event) pairs, and cancellation the moment the client leaves."""

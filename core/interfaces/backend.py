@@ -141,8 +141,12 @@ class Backend(Implementation):
     of its own (vLLM's): tokenmill then loads only the tokenizer and calls :meth:`create_engine`
     instead of :meth:`create`, and the attention and KV-allocator flags do not apply."""
 
-    def model_unsupported_reason(self, model: Any) -> str | None:
+    def model_unavailable_reason(self, model: Any) -> str | None:
         """None when this backend can run ``model``, else why not (one line)."""
+        return self.model_unsupported_reason(model)
+
+    def model_unsupported_reason(self, model: Any) -> str | None:
+        """This method's name in hooks 1.0, which backends written for it may still override."""
         return None
 
     def create(self, model: Any, kv_store: Any, attention: AttentionKernel) -> BackendRunner:

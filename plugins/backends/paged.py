@@ -45,7 +45,7 @@ from tokenmill.interfaces import (
 )
 from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
-from tokenmill.model.lora import adapter_rows
+from tokenmill.model.lora import adapter_rows, lora_batch
 
 ATTENTION_NAME = "tokenmill_paged"
 
@@ -124,7 +124,7 @@ class PagedRunner(BackendRunner):
         """Why :meth:`compile_forward` cannot run here, or None."""
         if self.device.type != "cpu":
             return f"compiled steps are built and measured on CPU only (the model runs on {self.device.type})"
-        if getattr(self.model, "tokenmill_lora", None) is not None:
+        if lora_batch(self.model) is not None:
             return "LoRA adapters change the layers' work per request"
         compiler = _cpp_compiler()
         if shutil.which(compiler) is None:
@@ -351,7 +351,7 @@ class PagedBackend(Backend):
     default_kv_allocator = "paged"
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
 
-    def model_unsupported_reason(self, model: Any) -> str | None:
+    def model_unavailable_reason(self, model: Any) -> str | None:
         name = type(model).__name__
         if not getattr(model, "_supports_attention_backend", False):
             return (f"{name} does not route attention through transformers' AttentionInterface, "
@@ -373,7 +373,7 @@ class PagedBackend(Backend):
         return None
 
     def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
-        reason = self.model_unsupported_reason(model)
+        reason = self.model_unavailable_reason(model)
         if reason:
             raise ValueError(reason)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
@@ -389,8 +389,8 @@ class FlashBackend(PagedBackend):
     def unavailable_reason(self) -> str | None:
         return flash_attn_unavailable_reason()
 
-    def model_unsupported_reason(self, model: Any) -> str | None:
-        reason = super().model_unsupported_reason(model)
+    def model_unavailable_reason(self, model: Any) -> str | None:
+        reason = super().model_unavailable_reason(model)
         if reason:
             return reason
         dtype = next(model.parameters()).dtype
