@@ -27,7 +27,7 @@ MOVED_MODULES = {
     "tokenmill.kv_memory": "tokenmill.model.kv_memory",
     "tokenmill.loading": "tokenmill.model.loading",
     "tokenmill.logs": "tokenmill.observability.logs",
-    "tokenmill.lora": "tokenmill.model.lora",
+    "tokenmill.lora": "tokenmill.model.adapters",  # which re-exports tokenmill.model.lora
     "tokenmill.metrics": "tokenmill.observability.metrics",
     "tokenmill.middleware": "tokenmill.http.middleware",
     "tokenmill.native_kernels": "tokenmill.kernels.native",

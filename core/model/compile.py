@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,3 +33,11 @@ def try_compile(config: Config, loaded: LoadedModel, runner: Any) -> bool:
         return False
     runner.compile_forward()
     return True
+
+
+def inductor_unavailable_reason() -> str | None:
+    """Why inductor cannot build compiled CPU code here (it calls ``CXX``, else g++), or None."""
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        return f"inductor needs a C++ compiler and {compiler} is not on PATH"
+    return None

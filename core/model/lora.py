@@ -209,16 +209,3 @@ def adapter_rows(model: nn.Module, seqs: Sequence[Any], tokens: Sequence[int]) -
         yield
     finally:
         batch.current, batch.mask = None, None
-
-
-_MOVED_TO_ADAPTERS = ("AdapterCache", "CacheStats", "load_adapters", "locate", "peft_unavailable_reason",
-                      "read_peft_adapter")
-
-
-def __getattr__(name: str) -> Any:
-    """The adapter files and cache live in ``tokenmill.model.adapters``; importable from here as before."""
-    if name in _MOVED_TO_ADAPTERS:
-        from tokenmill.model import adapters
-
-        return getattr(adapters, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
-import shutil
 from typing import Any
 
 import torch
@@ -44,6 +42,8 @@ from tokenmill.interfaces import (
     padded_block_tables,
 )
 from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
+from tokenmill.model.compat import packed_steps_unavailable_reason
+from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
 from tokenmill.model.lora import adapter_rows, lora_batch
 
@@ -126,10 +126,7 @@ class PagedRunner(BackendRunner):
             return f"compiled steps are built and measured on CPU only (the model runs on {self.device.type})"
         if lora_batch(self.model) is not None:
             return "LoRA adapters change the layers' work per request"
-        compiler = _cpp_compiler()
-        if shutil.which(compiler) is None:
-            return f"inductor needs a C++ compiler and {compiler} is not on PATH"
-        return None
+        return inductor_unavailable_reason()
 
     def compile_forward(self) -> None:
         """Run later steps through ``torch.compile`` (inductor): one graph for every step size, since
@@ -352,25 +349,7 @@ class PagedBackend(Backend):
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
 
     def model_unavailable_reason(self, model: Any) -> str | None:
-        name = type(model).__name__
-        if not getattr(model, "_supports_attention_backend", False):
-            return (f"{name} does not route attention through transformers' AttentionInterface, "
-                    f"so the {self.name} backend cannot run it; use --backend transformers")
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
-        if other_layers:
-            return (f"{name} has {', '.join(sorted(other_layers))} layers, which keep state outside the KV cache; "
-                    "use --backend transformers")
-        for attribute, what in (("attn_logit_softcapping", "attention logit soft-capping"),
-                                ("attention_chunk_size", "chunked attention"),
-                                ("num_kv_shared_layers", "layers that share another layer's KV")):
-            if getattr(config, attribute, None):
-                return (f"{name} uses {what}, which the {self.name} backend does not implement; "
-                        "use --backend transformers")
-        if any(hasattr(module, "sinks") for module in model.modules()):
-            return (f"{name} uses attention sinks, which the {self.name} backend does not implement; "
-                    "use --backend transformers")
-        return None
+        return packed_steps_unavailable_reason(model, self.name)
 
     def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
         reason = self.model_unavailable_reason(model)
@@ -402,11 +381,6 @@ class FlashBackend(PagedBackend):
             return (f"flash-attn needs a head dimension of at most 256 and a multiple of 8 (the model has {head_dim}); "
                     "use --backend paged")
         return None
-
-
-def _cpp_compiler() -> str:
-    """The C++ compiler inductor would call (``CXX``, else g++)."""
-    return os.environ.get("CXX") or "g++"
 
 
 @tokenmill.hookimpl
