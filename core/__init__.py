@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -51,7 +52,17 @@ gives the very same module object, so plugins written against it (and ``monkeypa
 keep working."""
 
 
-class _MovedModuleLoader(importlib.abc.Loader):
+def moved_name(name: str) -> str | None:
+    """Where module ``name`` lives now, if it is an old path or a submodule of one, else None."""
+    old = name
+    while old not in MOVED_MODULES:
+        old, dot, _ = old.rpartition(".")
+        if not dot:
+            return None
+    return MOVED_MODULES[old] + name[len(old):]
+
+
+class _MovedModuleLoader(importlib.abc.InspectLoader):
     def __init__(self, target: str) -> None:
         self.target = target
 
@@ -62,10 +73,15 @@ class _MovedModuleLoader(importlib.abc.Loader):
         # The import system returns what sys.modules holds after this call: the moved module itself.
         sys.modules[module.__name__] = importlib.import_module(self.target)
 
+    def get_source(self, fullname: str) -> str | None:  # for ``python -m tokenmill.<old path>``
+        spec = importlib.util.find_spec(self.target)
+        loader = spec.loader if spec is not None else None
+        return loader.get_source(self.target) if isinstance(loader, importlib.abc.InspectLoader) else None
+
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        moved = MOVED_MODULES.get(name)
+        moved = moved_name(name) if name.startswith("tokenmill.") else None
         if moved is None:
             return None
         return importlib.machinery.ModuleSpec(name, _MovedModuleLoader(moved))

@@ -232,7 +232,9 @@ class Config:
         if prefill is None:
             prefill = min(inputs + 50, CPU_MIXED_PREFILL_TOKENS) if mixed_steps and on_cpu else inputs + 50
         ratio = self.waiting_served_ratio
-        batch_total = self.max_batch_total_tokens or kv_tokens or 16 * total
+        batch_total = self.max_batch_total_tokens
+        if batch_total is None:
+            batch_total = kv_tokens if kv_tokens is not None else 16 * total
         settled = replace(self, max_total_tokens=total, max_input_tokens=inputs, max_batch_prefill_tokens=prefill,
                           waiting_served_ratio=ratio if ratio is not None else (0.0 if mixed_steps else 0.3),
                           max_batch_total_tokens=batch_total)

@@ -74,3 +74,8 @@ def test_a_backend_written_for_hooks_1_0_still_says_why_it_cannot_run_a_model() 
             return "written for another architecture"
 
     assert OldBackend().model_unavailable_reason(object()) == "written for another architecture"
+
+
+def test_a_submodule_reached_through_an_old_path_is_the_moved_one_not_a_copy() -> None:
+    moved = importlib.import_module("tokenmill.model.sharding.plan")
+    assert importlib.import_module("tokenmill.sharding.plan") is moved

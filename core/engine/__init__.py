@@ -6,7 +6,7 @@ backend subclasses it and uses the public surface its docstring lists, with
 """
 
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.output import eos_ids_of, eos_token_ids
+from tokenmill.engine.output import SequenceState, eos_ids_of, eos_token_ids
 from tokenmill.engine.timing import StepClock, StepTiming
 
-__all__ = ["Engine", "StepClock", "StepTiming", "eos_ids_of", "eos_token_ids"]
+__all__ = ["Engine", "SequenceState", "StepClock", "StepTiming", "eos_ids_of", "eos_token_ids"]

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.output import Output, emit
-from tokenmill.engine.sequence import ErrorEvent, Sequence
+from tokenmill.engine.output import Output
+from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
 
 log = logging.getLogger(__name__)
+
+Release = Callable[[list[Sequence]], None]
+Fail = Callable[[list[Sequence], str], None]
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,12 @@ class Batch:
     """The running batch: sequences that decode, and sequences whose prompts prefill in chunks."""
 
     def __init__(self, runner: BackendRunner, queue: SchedulerQueue, output: Output, prefill_budget: int,
-                 stream_buffer_tokens: int) -> None:
+                 stream_buffer_tokens: int, release: Release, fail: Fail) -> None:
         self.runner = runner
+        self.release = release
+        self.fail = fail
+        """The engine's own ``release`` and ``fail`` (which an engine-owning backend may extend): every
+        sequence the batch ends or frees goes through them."""
         self.queue = queue
         self.output = output
         self.prefill_budget = prefill_budget
@@ -117,20 +125,14 @@ class Batch:
             self.fail([seq], f"could not start the request: {error}")
             return False
 
-    def release(self, seqs: list[Sequence]) -> None:
-        """Free ``seqs`` in the backend (whether or not they joined the batch) and forget them."""
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Free ``seqs`` in the backend (whether or not they joined the batch) and drop them from it."""
         if not seqs:
             return
         self.runner.release(seqs)
         leaving = {s.id for s in seqs}
         self.running = [s for s in self.running if s.id not in leaving]
         self.prefilling = [s for s in self.prefilling if s.id not in leaving]
-
-    def fail(self, seqs: list[Sequence], message: str) -> None:
-        """End ``seqs`` with an error event, and release them."""
-        for seq in seqs:
-            emit(seq, ErrorEvent(message))
-        self.release(list(seqs))
 
     def _preempt_for_waiting(self) -> None:
         """Set aside the running sequences the scheduler names to let waiting ones start (a

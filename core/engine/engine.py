@@ -47,7 +47,7 @@ class Engine:
                  watermark: tuple[float, float] = (0.5, 2.0)) -> None:
         self.tokenizer = tokenizer
         self.output = Output(tokenizer, eos_ids, pm, watermark)
-        self.batch = Batch(runner, queue, self.output, prefill_budget, stream_buffer_tokens)
+        self.batch = Batch(runner, queue, self.output, prefill_budget, stream_buffer_tokens, self.release, self.fail)
         self.step_observer: Callable[[StepTiming], None] | None = None
         """Told about every step that runs the model (the server sets its metrics here after warm-up)."""
         self.inbox = Inbox()
@@ -55,8 +55,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._published: tuple[tuple[Sequence, ...], ...] = ((), (), ())
 
-    # ---- called from the HTTP side -------------------------------------------------
-
+    # ---- called from the HTTP side ----
     def submit(self, request: GenerationRequest, stream: EventStream | EventSink, seed: int | None = None,
                choice: int = 0) -> Sequence:
         """Queue one sequence of ``request``; its events go to ``stream`` (from the engine thread),
@@ -70,6 +69,10 @@ class Engine:
 
     def unavailable_reason(self, request: GenerationRequest) -> str | None:
         """Why this engine cannot run ``request`` (answered with 422 at validation), or None."""
+        return self.refusal(request)
+
+    def refusal(self, request: GenerationRequest) -> str | None:
+        """:meth:`unavailable_reason`'s name in hooks 1.0, which engines written for it may override."""
         return None
 
     def cancel(self, seq: Sequence) -> None:
@@ -127,8 +130,7 @@ class Engine:
                 return
         raise RuntimeError(f"the warm-up did not finish in {max_steps} steps (is the prefill budget too small?)")
 
-    # ---- the public surface of an engine-owning backend (engine thread) ---------------
-
+    # ---- the public surface of an engine-owning backend (engine thread) ----
     @property
     def runner(self) -> BackendRunner:
         return self.batch.runner
@@ -188,7 +190,7 @@ class Engine:
 
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""
-        self.batch.release(seqs)
+        self.batch.forget(seqs)
 
     def fail(self, seqs: list[Sequence], message: str) -> None:
         """End ``seqs`` with an error event, and release them."""
@@ -206,8 +208,6 @@ class Engine:
         sequence gets an error, and /health reports 503."""
         log.error("the engine gives up: %s", reason)
         self._broken = True
-
-    # ---- the engine thread ------------------------------------------------------------
 
     def step(self) -> None:
         """One engine step: plan it, run it in one backend call, sample and emit its tokens. A

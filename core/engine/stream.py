@@ -44,8 +44,11 @@ class TokenStream:
     wakes a waiting reader with :class:`StreamClosed`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, paced: bool = True) -> None:
         self._loop = asyncio.get_running_loop()
+        self.paced = paced
+        """False: the reader takes every event as it comes (a whole response), so its sequence never
+        pauses for it; ``unsent`` is then 0."""
         self._queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
         self._pushed = 0
         """Written by the engine thread only."""
@@ -57,7 +60,7 @@ class TokenStream:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (choice, event))
 
     def unsent(self) -> int:
-        return self._pushed - self._sent
+        return self._pushed - self._sent if self.paced else 0
 
     async def next(self) -> tuple[int, Event]:
         """The next (choice, event) pair; raises :class:`StreamClosed` once the stream is closed."""

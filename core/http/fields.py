@@ -16,12 +16,18 @@ class ValidationError(Exception):
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _is_integer(value: Any) -> bool:
+    return _is_number(value) and (isinstance(value, int) or value.is_integer())
 
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], Any]]] = {
     "number": ("a finite number", _is_number, float),
-    "integer": ("an integer", lambda v: _is_number(v) and float(v).is_integer(), int),
+    "integer": ("an integer", _is_integer, int),
     "boolean": ("a boolean", lambda v: isinstance(v, bool), bool),
     "string": ("a string", lambda v: isinstance(v, str), str),
     "object": ("an object", lambda v: isinstance(v, dict), dict),
@@ -37,4 +43,7 @@ def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None)
     described, valid, convert = _KINDS[kind]
     if not valid(value):
         raise ValidationError(f"`{name}` must be {described}, got {value!r}")
-    return convert(value)
+    try:
+        return convert(value)
+    except OverflowError:  # an integer beyond any float
+        raise ValidationError(f"`{name}` must be {described}, got an integer too large for one") from None

@@ -101,7 +101,7 @@ class Generation:
         """Run each (request, seed) job as one sequence to its end, results in order; cancel them
         all if the client leaves or one fails."""
         engine = self.state.ready_engine()
-        streams = [TokenStream() for _ in jobs]
+        streams = [TokenStream(paced=False) for _ in jobs]  # a whole response never holds its sequences back
         seqs = [engine.submit(request, stream, seed) for (request, seed), stream in zip(jobs, streams)]
         for seq, stream in zip(seqs, streams):
             on_disconnect(req, cancel_on_disconnect(engine, seq, stream))
@@ -123,7 +123,6 @@ class Generation:
                 _, event = await stream.next()
             except StreamClosed:
                 raise ApiError(499, "client disconnected", "cancelled") from None
-            stream.sent()  # taken: a whole response never holds its sequence back
             if isinstance(event, ErrorEvent):
                 raise ApiError(424 if event.error_type == "generation" else 503, event.message, event.error_type)
             if event.final is not None:

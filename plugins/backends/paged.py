@@ -349,7 +349,7 @@ class PagedBackend(Backend):
     description = "packed steps over a block pool, KV allocated on demand (any model using AttentionInterface)"
 
     def model_unavailable_reason(self, model: Any) -> str | None:
-        return packed_steps_unavailable_reason(model, self.name)
+        return packed_steps_unavailable_reason(model, self.name) or super().model_unavailable_reason(model)
 
     def create(self, model: Any, kv_store: BlockPool, attention: AttentionKernel) -> BackendRunner:
         reason = self.model_unavailable_reason(model)

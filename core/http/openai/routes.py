@@ -35,7 +35,7 @@ class OpenAIRoute:
         parse = parse_chat if self.chat else parse_completion
         try:
             job = await state.on_tokenizer_thread(parse, generation.validator(), body, served_model(state),
-                                                  header_priority(req))
+                                                  header_priority(req) or None)  # an empty header: the default
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
         if job.stream:
