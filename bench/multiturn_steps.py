@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from bench.multiturn import question, system_prompt
-from bench.steps import PhaseTimes
+from bench.steps import StepTimes
 
 
 def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns: int, max_tokens: int
@@ -47,29 +47,17 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
 
         engine.submit(GenerationRequest("", ids, max_tokens, SamplingParams()), sink)
 
-    prefill: list[float] = []
-    decode: list[float] = []
-    phases = PhaseTimes(engine.runner)
-    decode_phases: list[dict[str, float]] = []
+    steps = StepTimes(engine)
     started = time.perf_counter()
     try:
         while len(finished) < conversations:
             while ready:
                 ask(ready.pop())
-            prefilling = bool(engine.queue_size or engine.batch.prefilling)
-            phases.take()
-            step_started = time.perf_counter()
-            engine.run_once()
-            (prefill if prefilling else decode).append(time.perf_counter() - step_started)
-            if not prefilling and phases.spent:
-                spent = phases.take()
-                decode_phases.append({**spent, "rest": decode[-1] - sum(spent.values())})
+            steps.step(prefilling=bool(engine.queue_size or engine.batch.prefilling))
     finally:
-        phases.restore()
-    return {"wall_s": time.perf_counter() - started, "prefill": prefill, "decode": decode,
-            "decode_phases_ms": {name: 1000 * statistics.median(p[name] for p in decode_phases)
-                                 for name in decode_phases[0]} if decode_phases else {}}
-
+        steps.restore()
+    return {"wall_s": time.perf_counter() - started, "prefill": steps.prefill, "decode": steps.decode,
+            "decode_phases_ms": steps.decode_phase_medians_ms()}
 
 def main() -> None:
     from tokenmill.config import Config

@@ -52,31 +52,22 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
 
     for index in range(min(concurrency, total)):
         submit(index)
-    prefill: list[float] = []
-    decode: list[float] = []
-    phases = PhaseTimes(engine.runner)
-    decode_phases: list[dict[str, float]] = []
+    steps = StepTimes(engine)
     started = time.perf_counter()
     try:
         while len(finished) < total:
             in_flight = min(concurrency, total - len(finished))
             prefilling = bool(engine.queue_size or engine.batch.prefilling) or engine.batch_size < in_flight
-            times = prefill if prefilling else decode
+            times = steps.prefill if prefilling else steps.decode
             if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
                 times.append(profiled(engine.run_once))
                 continue
-            phases.take()
-            step_started = time.perf_counter()
-            engine.run_once()
-            times.append(time.perf_counter() - step_started)
-            if times is decode and phases.spent:
-                spent = phases.take()
-                decode_phases.append({**spent, "rest": times[-1] - sum(spent.values())})
+            steps.step(prefilling)
     finally:
-        phases.restore()
+        steps.restore()
     wall = time.perf_counter() - started
-    phase_medians = {f"decode_{name}_ms_median": 1000 * statistics.median(p[name] for p in decode_phases)
-                     for name in decode_phases[0]} if decode_phases else {}
+    phase_medians = {f"decode_{name}_ms_median": ms for name, ms in steps.decode_phase_medians_ms().items()}
+    prefill, decode = steps.prefill, steps.decode
     return {**phase_medians, "wall_s": wall, "tokens_per_s": total * new_tokens / wall, "prefill_steps": len(prefill),
             "prefill_s": sum(prefill), "decode_steps": len(decode),
             "decode_ms_median": 1000 * statistics.median(decode) if decode else float("nan"),
@@ -123,6 +114,37 @@ class PhaseTimes:
     def take(self) -> dict[str, float]:
         spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
         return spent
+
+
+class StepTimes:
+    """The time of each engine step, prefill steps and decode steps apart, and of each decode step's
+    phases (:class:`PhaseTimes`, the rest being sampling, stop checks, detokenization, scheduling)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.phases = PhaseTimes(engine.runner)
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.decode_phases: list[dict[str, float]] = []
+
+    def step(self, prefilling: bool) -> None:
+        """Run one engine step (``engine.run_once``), counted as a prefill step or a decode step."""
+        self.phases.take()
+        started = time.perf_counter()
+        self.engine.run_once()
+        elapsed = time.perf_counter() - started
+        (self.prefill if prefilling else self.decode).append(elapsed)
+        if not prefilling and self.phases.spent:
+            spent = self.phases.take()
+            self.decode_phases.append({**spent, "rest": elapsed - sum(spent.values())})
+
+    def decode_phase_medians_ms(self) -> dict[str, float]:
+        if not self.decode_phases:
+            return {}
+        return {name: 1000 * statistics.median(p[name] for p in self.decode_phases) for name in self.decode_phases[0]}
+
+    def restore(self) -> None:
+        self.phases.restore()
 
 
 def profiled(step: Any) -> float:

@@ -172,11 +172,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValidationError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
         params["top_n_tokens"] = top_logprobs
-    if priority is not None:
-        params["priority"] = priority
-    adapter = named_adapter(validator, body)
-    if adapter:
-        params["adapter_id"] = adapter
+    adapter = route(params, validator, body, priority)
     n = choice_count(body, config.max_client_batch_size)
     request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
                                  grammar=grammar)
@@ -188,6 +184,17 @@ def named_adapter(validator: Validator, body: dict[str, Any]) -> str | None:
     """The LoRA adapter that ``model`` names, else None: any other name means the base model, as
     clients written for one model send whatever name they were configured with."""
     return validator.served_adapter(body.get("model"))
+
+
+def route(params: dict[str, Any], validator: Validator, body: dict[str, Any], priority: str | None) -> str | None:
+    """Set the TGI ``params`` that say where the request goes: its priority class (from ``X-Priority``)
+    and the LoRA adapter its ``model`` names, which is returned (None: the base model)."""
+    if priority is not None:
+        params["priority"] = priority
+    adapter = named_adapter(validator, body)
+    if adapter:
+        params["adapter_id"] = adapter
+    return adapter
 
 
 def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
@@ -238,11 +245,7 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
             if stream:
                 raise ValidationError("`echo` with `logprobs` is not supported when streaming")
             params["decoder_input_details"] = True
-    if priority is not None:
-        params["priority"] = priority
-    adapter = named_adapter(validator, body)
-    if adapter:
-        params["adapter_id"] = adapter
+    adapter = route(params, validator, body, priority)
     requests = [validator.generate(text, params, stream, max_top_n=MAX_COMPLETION_LOGPROBS) for text in prompts]
     return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, adapter or model,
                      echo=echo)
