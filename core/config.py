@@ -56,6 +56,10 @@ class Config:
     port: int = 3000
     payload_limit: int = 2_000_000
     graceful_termination_timeout: int = 90
+    max_failed_steps: int = 5
+    step_timeout: float = 600.0
+    stream_idle_timeout: float = 300.0
+    validation_workers: int = 2
     api_key: str | None = None
     cors_allow_origin: str | None = None
     json_output: bool = False
@@ -67,6 +71,8 @@ class Config:
     lora_adapters: str | None = None
     lora_cache_limit: int | None = None
     max_lora_rank: int = 64
+    lora_adapter_dir: tuple[str, ...] = ()
+    allow_adapter_loading: bool = False
     backend: str = "auto"
     attention: str | None = None
     scheduler: str = "fifo"
@@ -96,7 +102,8 @@ class Config:
                     f"--max-input-tokens ({self.max_input_tokens}) and its legacy name "
                     f"--max-input-length ({self.max_input_length}) disagree; set only --max-input-tokens"
                 )
-        positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_input_tokens", "max_total_tokens",
+        positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_failed_steps", "step_timeout",
+                    "stream_idle_timeout", "validation_workers", "max_input_tokens", "max_total_tokens",
                     "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "payload_limit",
                     "block_size")
         for name in positive:
@@ -294,6 +301,18 @@ _HELP = {
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
+    "max_failed_steps": ("consecutive failed engine steps after which the engine counts as broken: /health says "
+                         "503, every request gets an error, and the process exits with status 3"),
+    "step_timeout": ("seconds one engine step may take (sharded or not) before the engine counts as broken, as "
+                     "--max-failed-steps does; generous for big models on CPU"),
+    "stream_idle_timeout": ("seconds a stream may keep its buffer full (its client reads nothing) before it is "
+                            "ended and its KV memory freed"),
+    "validation_workers": ("threads that validate requests (tokenizing, chat templates, grammars), each with its "
+                           "own tokenizer"),
+    "lora_adapter_dir": ("directory that POST /adapters may load adapters from (repeatable; the environment "
+                         "variable takes a list separated by ':')"),
+    "allow_adapter_loading": ("allow POST /adapters without --api-key (logged as a warning at start): anyone who "
+                              "reaches the port can then load adapters from --lora-adapter-dir"),
     "graceful_termination_timeout": ("after SIGTERM: seconds in-flight requests may take to finish (/health and new "
                                      "requests say 503 meanwhile) before they are ended with an error"),
     "api_key": ("require `Authorization: Bearer <key>` on every route but /health, /info, /metrics and /v1/models "
@@ -350,6 +369,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         if f.name == "hostname" and raw == socket.gethostname():
             raw = None  # containers and shells set HOSTNAME to the machine's name, not a bind address
         help_text = f"{_HELP.get(f.name, '')} [env {env_name(f.name)}]"
+        if kind.startswith("tuple"):  # a repeatable flag; its variable holds a list separated by ':'
+            value = [item for item in (raw or "").split(os.pathsep) if item]
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+            parser.set_defaults(**{f.name: value})
+            continue
         if kind == "bool":
             value = _parse_bool(raw) if raw is not None else default
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=help_text)
@@ -374,7 +398,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 def parse_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Config:
     """Parse ``launch`` arguments into a checked Config (raises ConfigError)."""
     parser = build_parser(env)
-    namespace = parser.parse_args(list(argv))
-    config = Config(**vars(namespace))
+    values = vars(parser.parse_args(list(argv)))
+    for f in fields(Config):
+        if str(f.type).startswith("tuple"):
+            values[f.name] = tuple(values[f.name] or ())
+    config = Config(**values)
     config.check()
     return config

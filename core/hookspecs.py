@@ -128,6 +128,17 @@ def tokenmill_schedulers() -> list[Scheduler]:
 
     Each `Sequence` carries its `request` (with `priority`, `max_new_tokens`), `prompt_len`,
     `pending_len` and `arrived_at`.
+
+    Exceptions: a queue method may raise; the engine never lets that lose a request. After a call
+    that raised, every sequence the engine took in that is neither in the running batch nor in
+    `pending()` (those `admit` took before it raised, one `requeue` dropped) ends with an error
+    (`generation`, 424); the running batch goes on, and the next step calls the queue again. A
+    raising `add` fails the sequence it was given; a raising `remove` leaves a cancelled sequence
+    that the engine skips when it is admitted; a raising `preempt` preempts nothing that step; a
+    raising `drain` at shutdown still gives every sequence its error. Each step with a raising call
+    counts as a failed step towards `--max-failed-steps`, so a queue that raises every step breaks
+    the engine (`/health` 503, exit status 3). Keep `pending()` cheap and exception-free: it is how
+    the engine knows what waits.
     """
 
 

@@ -7,6 +7,7 @@ import json
 import jsonschema
 import pytest
 
+from tokenmill.engine.stops import StopMatcher
 from tokenmill.http.openai import StopHoldback
 from tokenmill.http.openai.chat import (
     ChatError,
@@ -86,10 +87,29 @@ def test_past_tool_calls_are_shown_as_the_json_the_model_writes_when_the_templat
     assert "You can call these functions" in prompt and prompt.endswith("<|im_start|>assistant\n")
 
 
+def streamed(stops: tuple[str, ...], pieces: list[str]) -> tuple[list[str], StopHoldback]:
+    """What a stream sends of each piece, given the engine's count of held-back characters."""
+    matcher, holdback = StopMatcher(stops), StopHoldback(stops)
+    sent = []
+    for piece in pieces:
+        matcher.feed(piece)
+        sent.append(holdback.push(piece, matcher.held))
+    return sent, holdback
+
+
 def test_streamed_text_holds_back_what_may_begin_a_stop_sequence():
-    holdback = StopHoldback(("\n\nEND",))
-    pieces = [holdback.push(p) for p in ["Hello", "\n", "\nE", "ND", " more"]]
+    pieces, holdback = streamed(("\n\nEND",), ["Hello", "\n", "\nE", "ND", " more"])
     assert pieces == ["Hello", "", "", "", ""] and holdback.finish() == ""
-    holdback = StopHoldback(("\n\nEND",))
-    pieces = [holdback.push(p) for p in ["Hi", "\n", "x"]] + [holdback.finish()]
+    pieces, holdback = streamed(("\n\nEND",), ["Hi", "\n", "x"])
+    pieces.append(holdback.finish())
     assert "".join(pieces) == "Hi\nx" and pieces[1] == ""
+
+
+def test_stop_sequences_are_found_one_character_at_a_time_in_linear_time():
+    matcher = StopMatcher(("abab", "x" * 512))
+    assert not matcher.feed("aba") and matcher.held == 3
+    assert not matcher.feed("c") and matcher.held == 0
+    assert matcher.feed("ababab")
+    long = StopMatcher(("a" * 511 + "b",))
+    assert not long.feed("a" * 100_000) and long.held == 511  # never searched again: one pass over the text
+    assert long.feed("b")

@@ -57,10 +57,14 @@ def expected(tiny_model_dir, tiny_model, adapters) -> dict[str | None, list[int]
 @pytest.fixture(scope="module", params=["transformers", "paged"])
 def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator[RunningServer]:
     listed = ",".join(f"{name}={adapters[name]}" for name in ("ad0", "ad1", "ad2"))
+    runtime = tmp_path_factory.mktemp("runtime-adapters")
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
-                           "--backend", request.param, "--lora-adapters", listed, "--max-lora-rank", "16"],
+                           "--backend", request.param, "--lora-adapters", listed, "--max-lora-rank", "16",
+                           "--allow-adapter-loading", "--lora-adapter-dir", str(adapters["ad0"].parent),
+                           "--lora-adapter-dir", str(runtime)],
                           tmp_path_factory.mktemp("lora"))
     server.backend = request.param
+    server.runtime_dir = runtime
     yield server
     server.stop()
 
@@ -146,28 +150,56 @@ def test_an_adapter_is_loaded_at_run_time_and_serves_at_once(lora_server, adapte
                                                                      PROMPTS[1])
 
 
-def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_model_dir, tmp_path):
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_model_dir):
     from transformers import LlamaConfig
 
     other_base = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=24)
-    wrong_shape = write_random_adapter(tmp_path / "wrong", seed=1, config=other_base)
-    too_big = write_random_adapter(tmp_path / "big", seed=2, rank=32, base_dir=tiny_model_dir)
-    embedding = write_random_adapter(tmp_path / "emb", seed=3, base_dir=tiny_model_dir,
+    allowed = lora_server.runtime_dir
+    wrong_shape = write_random_adapter(allowed / "wrong", seed=1, config=other_base)
+    too_big = write_random_adapter(allowed / "big", seed=2, rank=32, base_dir=tiny_model_dir)
+    embedding = write_random_adapter(allowed / "emb", seed=3, base_dir=tiny_model_dir,
                                      targets=["embed_tokens", "q_proj"])
+    (allowed / "empty").mkdir(exist_ok=True)
     with lora_server.client() as client:
         shape = client.post("/adapters", json={"id": "wrong", "path": str(wrong_shape)})
         rank = client.post("/adapters", json={"id": "big", "path": str(too_big)})
-        missing = client.post("/adapters", json={"id": "gone", "path": str(tmp_path / "nothing")})
+        missing = client.post("/adapters", json={"id": "gone", "path": "empty"})  # relative to a --lora-adapter-dir
         embeds = client.post("/adapters", json={"id": "emb", "path": str(embedding)})
         base_id = client.post("/adapters", json={"id": str(tiny_model_dir), "path": str(embedding)})
         known = client.get("/adapters").json()["adapters"]
     assert shape.status_code == 422 and "trained for another base model" in shape.json()["error"]
     assert rank.status_code == 422 and "above --max-lora-rank 16" in rank.json()["error"]
-    assert missing.status_code == 422 and "not a local directory" in missing.json()["error"]
+    assert missing.status_code == 422 and "no adapter_config.json" in missing.json()["error"]
+    assert str(allowed) not in missing.json()["error"]  # errors name the adapter, never a server path
     assert embeds.status_code == 422 and "also changes model.embed_tokens" in embeds.json()["error"]
     assert base_id.status_code == 422 and "other than the base model's id" in base_id.json()["error"]
     assert not {"wrong", "big", "gone", "emb"} & set(known)  # nothing refused is learnt
+
+
+def test_adapters_load_at_run_time_only_from_the_adapter_directories(lora_server, adapters, tiny_model_dir):
+    outside = lora_server.runtime_dir.parent / "elsewhere"
+    write_random_adapter(outside, seed=9, base_dir=tiny_model_dir)
+    with lora_server.client() as client:
+        absolute = client.post("/adapters", json={"id": "out", "path": str(outside)})
+        climbing = client.post("/adapters", json={"id": "up", "path": "../elsewhere"})
+        inside = client.post("/adapters", json={"id": "in", "path": "ad3"})  # relative to the first directory
+    for answer in (absolute, climbing):
+        assert answer.status_code == 403 and answer.json()["error_type"] == "forbidden"
+        assert "inside a --lora-adapter-dir" in answer.json()["error"] and str(outside) not in answer.text
+    assert inside.status_code == 200, inside.text
+
+
+def test_without_an_api_key_or_opt_in_no_adapter_loads_at_run_time(tiny_model_dir, adapters, tmp_path):
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "256",
+                           "--lora-cache-limit", "2", "--lora-adapter-dir", str(adapters["ad0"].parent)], tmp_path)
+    try:
+        with server.client() as client:
+            answer = client.post("/adapters", json={"id": "ad4", "path": "ad4"})
+            listed = client.get("/adapters").json()["adapters"]
+    finally:
+        server.stop()
+    assert answer.status_code == 403 and "--api-key" in answer.json()["error"] and "ad4" not in listed
 
 
 # ---- the bounded cache ---------------------------------------------------------------------------

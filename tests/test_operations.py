@@ -18,6 +18,8 @@ import pytest
 from conftest import RunningServer, free_port, launch_server, start_server
 from otlp_collector import attributes
 
+from tokenmill.http.serve import REPEAT_SECONDS
+
 REPO = Path(__file__).resolve().parent.parent
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -149,7 +151,7 @@ def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tm
     try:
         streams, threads = start_streams(server, 1, max_new_tokens=LONG)
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        time.sleep(REPEAT_SECONDS + 0.5)  # a deliberate second one, not the first delivered twice
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(60)

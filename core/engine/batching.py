@@ -65,6 +65,8 @@ class Batch:
         cache ..."""
         self.prefix_hit_tokens = 0
         """... and of those, the tokens found there."""
+        self.scheduler_faults = 0
+        """Calls into the scheduler plugin that raised (the engine then ends the sequences they orphaned)."""
 
     @property
     def holding(self) -> list[Sequence]:
@@ -87,6 +89,30 @@ class Batch:
 
     def paused(self, seq: Sequence) -> bool:
         return self.runner.pausable and seq.stream.unsent() >= self.stream_buffer_tokens
+
+    def idle_readers(self, timeout: float) -> list[Sequence]:
+        """The running sequences whose reader has let its buffer stay full for over ``timeout`` seconds."""
+        now, idle = time.monotonic(), []
+        for seq in self.running:
+            if not self.paused(seq):
+                seq.paused_since = None
+            elif seq.paused_since is None:
+                seq.paused_since = now
+            elif now - seq.paused_since > timeout:
+                idle.append(seq)
+        return idle
+
+    def scheduler_fault(self, call: str, error: Exception) -> None:
+        """The scheduler plugin's ``call`` raised: count it (the step fails) and log it."""
+        self.scheduler_faults += 1
+        log.error("the scheduler's %s raised %s: %s", call, type(error).__name__, error, exc_info=error)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Give ``seq`` back to the scheduler; if that raises, ``seq`` is orphaned (the engine ends it)."""
+        try:
+            self.queue.requeue(seq)
+        except Exception as error:  # noqa: BLE001 - a faulty plugin fails the sequence, not the engine
+            self.scheduler_fault("requeue", error)
 
     def step_budget(self, prefill_tokens: int | None = None) -> StepBudget:
         """What a step can take in, as the scheduler is told: ``prefill_tokens`` (by default the whole
@@ -141,7 +167,12 @@ class Batch:
         holding = self.holding
         if choose is None or not holding or not len(self.queue):
             return
-        for preemption in choose(holding, self.step_budget()):
+        try:
+            preemptions = list(choose(holding, self.step_budget()))
+        except Exception as error:  # noqa: BLE001 - no preemption this step
+            self.scheduler_fault("preempt", error)
+            return
+        for preemption in preemptions:
             if preemption.seq not in holding:
                 continue
             if preemption.keep_kv and self.runner.pausable and preemption.seq in self.running:
@@ -153,7 +184,7 @@ class Batch:
         """Take a decoding sequence out of the batch with its KV memory kept; when the scheduler
         admits it again, its one pending token runs as a one-token prefill and it decodes on."""
         self.running = [s for s in self.running if s.id != seq.id]
-        self.queue.requeue(seq)
+        self.requeue(seq)
         self.suspensions += 1
         log.info("suspended sequence %d (%d tokens, KV kept)", seq.id, seq.total_len)
 
@@ -171,7 +202,7 @@ class Batch:
         """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
         self.release([seq])
         seq.num_computed = 0
-        self.queue.requeue(seq)
+        self.requeue(seq)
         self.preemptions += 1
         log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
 
@@ -186,7 +217,12 @@ class Batch:
                 budget -= chunk
         if budget <= 0:
             return plan
-        for seq in self.queue.admit(self.holding, self.step_budget(budget)):
+        try:
+            admitted = list(self.queue.admit(self.holding, self.step_budget(budget)))
+        except Exception as error:  # noqa: BLE001 - what it took is orphaned, and ended by the engine
+            self.scheduler_fault("admit", error)
+            return plan
+        for seq in admitted:
             chunk = self._start_prefill(seq, budget)
             if chunk:
                 self.prefilling.append(seq)
@@ -206,7 +242,7 @@ class Batch:
         if not chunk or not self._plan_chunk(seq, chunk):
             # It must go whole and does not fit what is left, or its KV memory is short: next step.
             seq.num_computed -= cached
-            self.queue.requeue(seq)
+            self.requeue(seq)
             return 0
         if self.prefix_caching and fresh:
             if not seq.generated_ids:

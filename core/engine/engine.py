@@ -18,8 +18,10 @@ import pluggy
 import torch
 
 from tokenmill.engine.batching import Batch, StepPlan
+from tokenmill.engine.health import Broken, EngineHealth
 from tokenmill.engine.inbox import Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
+from tokenmill.engine.registry import LiveSequences
 from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent, queue_entry
 from tokenmill.engine.stream import EventSink, EventStream
 from tokenmill.engine.timing import StepClock, StepTiming
@@ -51,8 +53,17 @@ class Engine:
         self.step_observer: Callable[[StepTiming], None] | None = None
         """Told about every step that runs the model (the server sets its metrics here after warm-up)."""
         self.inbox = Inbox()
-        self._broken = False
+        self.live = LiveSequences()
+        """Every sequence taken in and not yet ended, whatever the scheduler plugin did with it."""
+        self.health = EngineHealth(self._on_broken)
+        """Consecutive failed steps and the step watchdog (``--max-failed-steps``, ``--step-timeout``)."""
+        self.broken_observer: Broken | None = None
+        """Told once why the engine broke, after every request was told (the server then exits)."""
+        self.stream_idle_timeout: float | None = None
+        """Seconds a running sequence may stay paused for its reader before it is ended (``--stream-idle-timeout``)."""
         self._thread: threading.Thread | None = None
+        self._idle = False
+        """The last step had nothing to run although sequences were held or waiting."""
         self._published: tuple[tuple[Sequence, ...], ...] = ((), (), ())
 
     # ---- called from the HTTP side ----
@@ -79,6 +90,10 @@ class Engine:
         """The client went away: drop the sequence at the next step and free its KV memory."""
         self.inbox.cancel(seq)
 
+    def wake(self) -> None:
+        """A reader took events off its stream: a sequence paused for it may go on."""
+        self.inbox.wake()
+
     def reset_prefix_cache(self, done: ResetDone) -> None:
         """Drop every cached block that no sequence holds, between two steps; ``done`` is then called
         (from the engine thread) with how many."""
@@ -100,8 +115,13 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        """False once the engine thread has died or given up; /health then says 503."""
-        return self._thread is not None and self._thread.is_alive() and not self._broken
+        """False once the engine thread has died or the engine broke; /health then says 503."""
+        return self._thread is not None and self._thread.is_alive() and self.health.broken is None
+
+    @property
+    def broken(self) -> str | None:
+        """Why the engine can no longer serve, once it cannot."""
+        return self.health.broken
 
     def kv_usage(self) -> dict[str, Any]:  # for /info and /metrics
         return self.runner.kv_usage()
@@ -109,6 +129,7 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self._thread.start()
+        self.health.watch(self._thread)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop; every sequence still queued or running gets an error event."""
@@ -191,6 +212,7 @@ class Engine:
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""
         self.batch.forget(seqs)
+        self.live.forget_ended(seqs)
 
     def fail(self, seqs: list[Sequence], message: str) -> None:
         """End ``seqs`` with an error event, and release them."""
@@ -199,34 +221,97 @@ class Engine:
         self.release(list(seqs))
 
     def observe_step(self, timing: StepTiming) -> None:
-        """Report a step that ran the model to the metrics."""
+        """Report a step that ran the model to the metrics, and count it towards ``--max-failed-steps``."""
         if self.step_observer is not None:
             self.step_observer(timing)
+        self.health.step_ended(timing.ok)
 
     def give_up(self, reason: str) -> None:
-        """End the loop for good after this step (an engine-owning backend's machinery died): every
-        sequence gets an error, and /health reports 503."""
-        log.error("the engine gives up: %s", reason)
-        self._broken = True
+        """End the loop for good (an engine-owning backend's machinery died): every sequence gets an
+        error, /health reports 503 and the server exits."""
+        self.health.give_up(reason)
+
+    def _on_broken(self, reason: str) -> None:
+        """(Engine or watchdog thread.) Tell every request now: the engine thread may be stuck in a step."""
+        incoming, resets = self.inbox.close()
+        for done in resets:
+            done(0)
+        for seq in self.live.all() + incoming:
+            emit(seq, ErrorEvent(f"the engine is broken: {reason}", "unhealthy"))
+        self.inbox.stop()
+        if self.broken_observer is not None:
+            self.broken_observer(reason)
 
     def step(self) -> None:
         """One engine step: plan it, run it in one backend call, sample and emit its tokens. A
         sequence whose prompt completes samples its first token now and decodes from the next step."""
+        faults = self.batch.scheduler_faults
         plan = self.batch.plan()
+        if self.batch.scheduler_faults != faults:
+            self.end_orphans("the scheduler failed")
+            self.health.step_ended(ok=False)
+        self._idle = plan.empty and bool(self.batch_size or len(self.queue))
         if plan.empty:
             return
         clock = StepClock(plan.method, len(plan.prefill))
         try:
-            out = self.runner.step(list(plan.prefill), list(plan.chunks),
-                                   [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
+            out = self._forward(plan)
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
-            self.observe_step(clock.timing(ok=False))
-            self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
+            isolated = self._isolate(plan)
+            self.observe_step(clock.timing(ok=bool(isolated)))
+            if isolated is None:
+                self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
             return
         clock.forwarded()
         self._sample(plan, out)
         self.observe_step(clock.timing(ok=out.prefill_error is None))
+
+    def _forward(self, plan: StepPlan) -> StepOutput:
+        return self.runner.step(list(plan.prefill), list(plan.chunks),
+                                [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
+
+    def _isolate(self, plan: StepPlan) -> bool | None:
+        """After a failed step, where the backend can run any subset of it: run each prefill chunk
+        alone and the decoding sequences together, so that a failure pinned to one request (its
+        prompt, its prompt logits) fails only that request. True when some part ran (the step did
+        not fail as a whole), False when none did (each part failed its sequences); None when the
+        step cannot be split (nothing was done)."""
+        parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
+        if plan.decode:
+            parts.append(StepPlan((), (), plan.decode))
+        if not self.runner.pausable or len(parts) < 2:
+            return None
+        ran = False
+        for part in parts:
+            try:
+                out = self._forward(part)
+            except Exception as error:  # noqa: BLE001 - this part's sequences fail
+                log.error("step part of sequences %s failed: %s: %s",
+                          [s.id for s in part.prefill + part.decode], type(error).__name__, error)
+                self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
+                continue
+            self._sample(part, out)
+            ran = True
+        return ran
+
+    def end_orphans(self, why: str) -> None:
+        """End with an error every live sequence that is neither in the batch nor waiting (after a
+        scheduler fault); when the queue cannot say what waits, everything it held is drained."""
+        orphans = self.live.orphans(self.batch.holding, self.queue)
+        if orphans is None:
+            orphans = [s for s in self.live.all() if s not in self.batch.holding]
+            self._drain_queue()
+        if orphans:
+            log.error("%s: ending %d sequences it dropped", why, len(orphans))
+            self.fail(orphans, f"{why}; the request could not be scheduled")
+
+    def _drain_queue(self) -> list[Sequence]:
+        try:
+            return list(self.queue.drain())
+        except Exception as error:  # noqa: BLE001 - the registry still knows every sequence
+            self.batch.scheduler_fault("drain", error)
+            return []
 
     def _sample(self, plan: StepPlan, out: StepOutput) -> None:
         """Sample the step's tokens from its logits and hand them to their sequences."""
@@ -245,22 +330,49 @@ class Engine:
 
     def run_once(self) -> None:
         """Take the requests and cancellations the HTTP side handed over, then run one step."""
+        self.health.step_began()
+        try:
+            self._take_inbox()
+            if self.stream_idle_timeout is not None:
+                idle = self.batch.idle_readers(self.stream_idle_timeout)
+                self.fail(idle, f"the client read nothing for {self.stream_idle_timeout:g} s (--stream-idle-timeout)")
+            self.step()
+        finally:
+            self.health.step_done()
+        self._published = (tuple(self._pending()), tuple(self.batch.prefilling), tuple(self.running))
+
+    def _take_inbox(self) -> None:
         incoming, cancelled, resets = self.inbox.take()
+        added = self.batch.scheduler_faults
         for seq in incoming:
             if not seq.cancelled:
-                self.queue.add(seq)
+                self.live.add(seq)
+                try:
+                    self.queue.add(seq)
+                except Exception as error:  # noqa: BLE001 - this sequence fails, the others go on
+                    self.batch.scheduler_fault("add", error)
+                    self.fail([seq], "the scheduler failed; the request could not be queued")
+        if self.batch.scheduler_faults != added:
+            self.health.step_ended(ok=False)
         for seq in cancelled:  # waiting or running: its KV memory is freed now
-            self.queue.remove(seq)
+            try:
+                self.queue.remove(seq)
+            except Exception as error:  # noqa: BLE001 - a cancelled sequence it still holds is skipped
+                self.batch.scheduler_fault("remove", error)
         self.release(cancelled)
         for done in resets:
             done(self.drop_cached_prefixes())
-        self.step()
+
+    def _pending(self) -> list[Sequence]:
         pending = getattr(self.queue, "pending", None)
-        self._published = (tuple(pending() if pending else ()), tuple(self.batch.prefilling), tuple(self.running))
+        try:
+            return list(pending()) if pending else []
+        except Exception:  # noqa: BLE001 - /queue shows none waiting rather than the loop failing
+            return []
 
     def _loop(self) -> None:
         try:
-            while not self._broken and self._wait_for_work():
+            while self.health.broken is None and self._wait_for_work():
                 try:
                     self.run_once()
                 except Exception:  # noqa: BLE001 - a step that fails must not end the loop
@@ -268,22 +380,25 @@ class Engine:
                     self.fail(self.batch.holding, "internal error in the engine step")
                     self.runner.reset()
                     self.batch.running, self.batch.prefilling = [], []
-        except Exception:  # noqa: BLE001 - even recovery failed: stop serving, loudly
+                    self.end_orphans("the engine step failed")
+                    self.health.step_ended(ok=False)
+        except Exception as error:  # noqa: BLE001 - even recovery failed: stop serving, loudly
             log.exception("the engine cannot recover; /health now reports it")
-            self._broken = True
+            self.health.give_up(f"recovering from a failed step failed: {type(error).__name__}: {error}")
         finally:
             self._fail_everything("the server is shutting down" if self.inbox.stopping else "the engine stopped")
 
     def _wait_for_work(self) -> bool:
         batch = self.batch
-        all_paused = bool(batch.running) and not batch.prefilling and not len(self.queue) and not batch.decoding()
-        return self.inbox.wait_for_work(bool(self.batch_size), bool(len(self.queue)), all_paused)
+        idle = self._idle or (bool(batch.running) and not batch.prefilling and not len(self.queue)
+                              and not batch.decoding())
+        return self.inbox.wait_for_work(bool(self.batch_size), bool(len(self.queue)), idle)
 
     def _fail_everything(self, message: str) -> None:
         incoming, resets = self.inbox.close()
         for done in resets:
             done(0)
-        for seq in self.batch.holding + self.queue.drain() + incoming:
+        for seq in self.batch.holding + self._drain_queue() + incoming + self.live.all():
             emit(seq, ErrorEvent(message, "unhealthy"))
         self.batch.running, self.batch.prefilling = [], []
 

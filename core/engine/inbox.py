@@ -8,6 +8,12 @@ from collections.abc import Callable
 
 from tokenmill.engine.sequence import Sequence
 
+IDLE_WAIT_SECONDS = 1.0
+"""The longest an idle loop sleeps while it holds sequences that wait for their readers."""
+
+QUEUED_WAIT_SECONDS = 0.1
+"""... and while requests wait that do not fit yet, with nothing running."""
+
 ResetDone = Callable[[int], None]
 """Told, from the engine thread, how many cached blocks a reset dropped."""
 
@@ -46,6 +52,11 @@ class Inbox:
             self._wake.notify()
             return True
 
+    def wake(self) -> None:
+        """Something the loop may be waiting for changed (a reader took events off its stream)."""
+        with self._wake:
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self.stopping = True
@@ -75,17 +86,17 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._incoming)
 
-    def wait_for_work(self, holding: bool, queued: bool, all_paused: bool) -> bool:
+    def wait_for_work(self, holding: bool, queued: bool, idle: bool) -> bool:
         """(Engine thread.) Block until there is something to do; False when the engine is stopping.
         ``holding``: sequences are in the batch; ``queued``: some wait in the scheduler's queue;
-        ``all_paused``: every running sequence waits for its client (neither changes meanwhile:
-        only the engine thread changes them)."""
+        ``idle``: the last step found nothing to run (every running sequence waits for its reader,
+        and none waiting fits). None of these change meanwhile: only the engine thread changes them."""
         with self._wake:
             news = self._incoming or self._cancelled or self._resets
-            if not news and not holding and queued:
-                self._wake.wait(0.05)  # requests wait but none fits: wait for a change rather than spin
-            elif not news and all_paused:
-                self._wake.wait(0.01)  # every sequence waits for its client to read
+            if not news and idle:
+                # Sleep until a reader reads, a request arrives or one leaves; wake now and then all
+                # the same, for what changes with time alone (a stream's idle timeout, a queue's aging).
+                self._wake.wait(IDLE_WAIT_SECONDS if holding else QUEUED_WAIT_SECONDS)
             while not self.stopping and not (self._incoming or self._cancelled or self._resets or holding or queued):
                 self._wake.wait()
             return not self.stopping

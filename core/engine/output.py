@@ -23,6 +23,7 @@ from tokenmill.engine.sequence import (
     TokenEvent,
     TokenInfo,
 )
+from tokenmill.engine.stops import StopMatcher
 from tokenmill.sampling.grammar import batch_allowed
 from tokenmill.sampling.sampler import SequenceSampler, prompt_logprobs
 from tokenmill.sampling.setup import new_sampler
@@ -36,8 +37,8 @@ class SequenceState:
 
     sampler: SequenceSampler
     detokenizer: IncrementalDetokenizer
-    stop_window: str = ""
-    """The newest output text, special tokens included, that stop sequences are matched in."""
+    stops: StopMatcher
+    """The request's stop sequences, matched against the output text (special tokens included)."""
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -57,7 +58,11 @@ def eos_ids_of(generation_eos: int | list[int] | None, tokenizer: Any) -> set[in
 
 
 def emit(seq: Sequence, event: Event) -> None:
-    """Push ``event`` to the sequence's stream; a stream that fails must not stop the engine."""
+    """Push ``event`` to the sequence's stream, unless the sequence has ended already (its last event
+    is its first final token or error); a stream that fails must not stop the engine."""
+    if seq.ended:
+        return
+    seq.ended = isinstance(event, ErrorEvent) or event.final is not None
     try:
         seq.stream.push(seq.choice, event)
     except Exception:  # noqa: BLE001 - a closed stream must not stop the engine
@@ -79,7 +84,7 @@ class Output:
     def start(self, seq: Sequence) -> SequenceState:
         """A new sequence's sampler (its processors, grammar and seed) and detokenizer."""
         sampler = new_sampler(seq.request, seq.seed, seq.prompt_len, frozenset(self.eos_ids), self.watermark, self.pm)
-        return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer))
+        return SequenceState(sampler, IncrementalDetokenizer(self.tokenizer), StopMatcher(seq.request.stop))
 
     def token_info(self, token_id: int, logprob: float | None) -> TokenInfo:
         """One token as the API reports it, its text decoded alone."""
@@ -148,7 +153,8 @@ class Output:
         if reason is not None:
             seq.finish_reason = reason
             final = self.final(seq, reason)
-        emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top_tokens, final=final))
+        emit(seq, TokenEvent(index=len(seq.generated_ids), token=token, top_tokens=top_tokens, final=final,
+                             held=state.stops.held))
         return reason is not None
 
     def finish_reason(self, seq: Sequence, token_id: int, new_text: str) -> str | None:
@@ -156,16 +162,8 @@ class Output:
             return FINISH_LENGTH
         if token_id in self.eos_ids:
             return FINISH_EOS
-        stops = seq.request.stop
-        if stops:
-            state: SequenceState = seq.state
-            longest = max(len(stop) for stop in stops)
-            window = state.stop_window + new_text
-            for stop in stops:
-                # Only matches that end in the new text count: earlier text was checked before.
-                if stop in window[max(0, len(state.stop_window) - len(stop) + 1) :]:
-                    return FINISH_STOP
-            state.stop_window = window[-longest:]
+        if seq.request.stop and seq.state.stops.feed(new_text):
+            return FINISH_STOP
         return None
 
     @staticmethod

@@ -69,6 +69,9 @@ class TokenEvent:
     token: TokenInfo
     top_tokens: list[TokenInfo]
     final: FinalResult | None = None
+    held: int = 0
+    """Characters at the end of the text so far that could begin a stop sequence (a stream that
+    leaves stop sequences out of its text holds them back)."""
 
 
 @dataclass
@@ -133,6 +136,10 @@ class Sequence:
         self.prefill_tokens: list[TokenInfo] = []
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.ended = False
+        """Its last event (a final token or an error) was sent; nothing is sent after it."""
+        self.paused_since: float | None = None
+        """Since when its reader has let its stream's buffer stay full (None: it reads)."""
         self.arrived_at = time.monotonic()
         self.admitted_at: float | None = None
         """When it first joined the batch (a preemption does not reset it)."""

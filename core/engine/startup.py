@@ -127,6 +127,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
             detail="compiling the forward (torch.compile)" if compiling else "")
+    watch(engine, config)
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
     return Started(engine, loaded, chosen, vocab_size, config, adapters, prefix_caching_off)
@@ -199,6 +200,7 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     assert config.max_input_tokens and config.max_batch_prefill_tokens, "create_engine must call setup.new_queue"
     vocab_size = int(getattr(model_config, "vocab_size", None) or len(tokenizer))
     warm_up(engine, config, stages, min(vocab_size, len(tokenizer)))
+    watch(engine, config)
     log.info("ready: %s on %s (%s backend)", display_id, device, chosen.backend.name)
     loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done)
     # Such an engine keeps its own prefix cache, turned on and off by the same flag (vLLM's does).
@@ -212,6 +214,13 @@ def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int
     assert config.max_input_tokens and config.max_batch_prefill_tokens
     prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
     stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below), detail=detail)
+
+
+def watch(engine: Engine, config: Config) -> None:
+    """The engine's limits once it serves (warm-up runs without them): ``--max-failed-steps``,
+    ``--step-timeout`` and ``--stream-idle-timeout``."""
+    engine.health.configure(config.max_failed_steps, config.step_timeout)
+    engine.stream_idle_timeout = config.stream_idle_timeout
 
 
 def fit_backend(pm: pluggy.PluginManager, config: Config, chosen: Chosen, model: Any) -> Chosen:

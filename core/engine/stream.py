@@ -44,11 +44,13 @@ class TokenStream:
     wakes a waiting reader with :class:`StreamClosed`.
     """
 
-    def __init__(self, paced: bool = True) -> None:
+    def __init__(self, paced: bool = True, on_sent: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.paced = paced
         """False: the reader takes every event as it comes (a whole response), so its sequence never
         pauses for it; ``unsent`` is then 0."""
+        self.on_sent = on_sent
+        """Called when the reader has sent an event (``Engine.wake``: a sequence paused for it may go on)."""
         self._queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
         self._pushed = 0
         """Written by the engine thread only."""
@@ -73,6 +75,8 @@ class TokenStream:
     def sent(self) -> None:
         """The reader has written the last event it took to its client."""
         self._sent += 1
+        if self.on_sent is not None:
+            self.on_sent()
 
     def close(self) -> None:
         """The reader's side ended (event loop only)."""

@@ -83,6 +83,9 @@ class Lifespan:
 
     async def process_startup(self, scope: Any, event: Any) -> None:
         config = self.state.config
+        if config.allow_adapter_loading and not config.api_key:
+            log.warning("--allow-adapter-loading without --api-key: anyone who reaches port %d can load LoRA "
+                        "adapters from %s", config.port, ", ".join(config.lora_adapter_dir) or "(no directory yet)")
         if config.otlp_endpoint:
             from tokenmill.observability.tracing import Tracing
 
@@ -95,7 +98,7 @@ class Lifespan:
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.stop)
         await asyncio.to_thread(self.state.stop_shards)
-        self.state.tokenizer_thread.shutdown(wait=False)
+        self.state.workers.shutdown()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.state.telemetry.tracing is not None:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import falcon.asgi
 
@@ -16,10 +17,13 @@ from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest
 from tokenmill.engine.stream import StreamClosed, TokenStream
 from tokenmill.http.body import ApiError
 from tokenmill.http.context import on_disconnect, record_of, watch_receive
+from tokenmill.http.fields import ValidationError
 from tokenmill.http.state import ServerState, Slot, adapter_api_error
 from tokenmill.http.validation import Validator
 from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.telemetry import RequestRecord
+
+T = TypeVar("T")
 
 Job = tuple[GenerationRequest, "int | None"]
 """One sequence to run: its request and its seed (None: the request's own, or a new one)."""
@@ -87,9 +91,12 @@ class Generation:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    def validator(self) -> Validator:
-        assert self.state.validator is not None, "validation runs only once the model is ready"
-        return self.state.validator
+    async def validate(self, check: Callable[[Validator], T]) -> T:
+        """``check(validator)`` on a validation worker; a ValidationError becomes a 422."""
+        try:
+            return await self.state.workers.validate(check)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
 
     @property
     def device(self) -> str:
@@ -106,11 +113,13 @@ class Generation:
         for seq, stream in zip(seqs, streams):
             on_disconnect(req, cancel_on_disconnect(engine, seq, stream))
         watcher = asyncio.create_task(watch_receive(req))
+        waiters = [asyncio.ensure_future(self.wait_final(stream)) for stream in streams]
         try:
-            return list(await asyncio.gather(*(self.wait_final(stream) for stream in streams)))
+            return list(await asyncio.gather(*waiters))
         except BaseException:
-            for seq in seqs:
+            for seq, waiter in zip(seqs, waiters):  # one choice failed: its siblings end too
                 engine.cancel(seq)
+                waiter.cancel()
             raise
         finally:
             watcher.cancel()
@@ -143,7 +152,7 @@ class Generation:
             if adapter is not None:
                 break
             try:
-                await self.state.on_tokenizer_thread(adapters.load, name)
+                await self.state.workers.run(adapters.load, name)
             except (AdapterBusy, AdapterError) as error:
                 raise adapter_api_error(error) from None
             adapter = adapters.pin(name)
@@ -183,10 +192,9 @@ class Generation:
             error=error,
         )
 
-    async def run_tracked(self, req: falcon.asgi.Request, jobs: list[Job]
+    async def run_tracked(self, req: falcon.asgi.Request, slot: Slot, jobs: list[Job]
                           ) -> list[FinalResult]:
-        """``run_to_end`` holding one concurrency slot, reported when it ends."""
-        slot = self.state.take_slot()
+        """``run_to_end`` holding the request's concurrency ``slot`` (given back when it ends), reported."""
         record = record_of(req)
         try:
             self.started(record, list({id(request): request for request, _ in jobs}.values()))  # each prompt once
@@ -205,17 +213,16 @@ class Generation:
                       cached_tokens=per_prompt([request for request, _ in jobs], [r.cached_tokens for r in results]))
         return results
 
-    async def open_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+    async def open_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, slot: Slot,
                           jobs: list[Job], requests: list[GenerationRequest]
                           ) -> StreamRun:
-        """Start the sequences of a streamed response: its slot, its adapter, the start hook, one
-        token stream of (choice, event) pairs, and cancellation the moment the client leaves."""
-        engine = self.state.ready_engine()
-        slot = self.state.take_slot()
-        record = record_of(req)
-        stream = TokenStream()
+        """Start the sequences of a streamed response holding the request's ``slot``: its adapter, the
+        start hook, one token stream of (choice, event) pairs, and cancellation the moment the client leaves."""
         seqs: list[Sequence] = []
         try:
+            engine = self.state.ready_engine()
+            record = record_of(req)
+            stream = TokenStream(on_sent=engine.wake)
             jobs = await self.pin_adapter(slot, jobs)
             self.started(record, requests)
             for i, (request, seed) in enumerate(jobs):

@@ -63,17 +63,37 @@ class AdaptersRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         cache = self.cache()
-        body = await read_json(req, self.state.config.payload_limit)
+        config = self.state.config
+        if not config.api_key and not config.allow_adapter_loading:
+            raise ApiError(403, "loading adapters at run time needs --api-key (or, on a trusted network, "
+                                "--allow-adapter-loading)", "forbidden")
+        body = await read_json(req, config.payload_limit)
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(
                 body.get("path", body.get("id")), str):
             raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")
-        name, source = body["id"], body.get("path", body["id"])
+        name = body["id"]
+        source = allowed_adapter_path(name, body["path"], config.lora_adapter_dir) if "path" in body else name
         try:
-            adapter = await self.state.on_tokenizer_thread(cache.register, name, source)
+            adapter = await self.state.workers.run(cache.register, name, source)
         except (AdapterBusy, AdapterError) as error:
             raise adapter_api_error(error) from None
         resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),
                       "path": str(adapter.path)}
+
+
+def allowed_adapter_path(name: str, path: str, directories: tuple[str, ...]) -> str:
+    """``path`` (absolute, or relative to one of ``directories``) when it lies inside one of them, else a
+    403 that names the adapter, not the path."""
+    for directory in directories:
+        root = os.path.realpath(directory)
+        candidate = os.path.realpath(os.path.join(root, path))
+        if os.path.commonpath([root, candidate]) == root and os.path.exists(candidate):
+            return candidate
+    if not directories:
+        raise ApiError(403, f"adapter {name!r}: POST /adapters loads only from --lora-adapter-dir directories, "
+                            "and the server has none", "forbidden")
+    raise ApiError(403, f"adapter {name!r}: its path is not an adapter inside a --lora-adapter-dir directory",
+                   "forbidden")
 
 
 class ResetPrefixCacheRoute:

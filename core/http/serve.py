@@ -6,6 +6,11 @@ so that new requests get a 503 and /health says 503 (the load balancer takes the
 requests in flight finish within ``--graceful-termination-timeout``, the rest are then ended with
 an error (a stream's last event), and the process exits 0. A second signal ends them at once.
 
+A signal sent to the whole process group (systemd's default KillMode, Ctrl-C in a terminal, ``tini
+-g``) reaches the worker twice: directly, and forwarded by the gunicorn master a moment later. So a
+signal within :data:`REPEAT_SECONDS` of the one before is the same signal; only a deliberate second
+one, later, counts as "again".
+
 In the container, ``image/entrypoint.sh`` execs gunicorn with ``image/gunicorn.conf.py``, which
 takes its settings from :func:`gunicorn_options`, as ``tokenmill launch`` does.
 """
@@ -18,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from types import FrameType
 from typing import Any
 
@@ -39,6 +45,10 @@ engine's last step, the requests' error answers, uvicorn closing connections and
 shutdown (see ``server.ENGINE_STOP_SECONDS``)."""
 
 
+REPEAT_SECONDS = 2.0
+"""Signals this close together are one signal delivered twice (to the group, and forwarded)."""
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with tokenmill's graceful stop (see the module's docstring)."""
 
@@ -48,6 +58,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_task: asyncio.Task[None] | None = None
         self.stop_now = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.last_signal = -REPEAT_SECONDS
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -63,6 +74,11 @@ class DrainingServer(uvicorn.Server):
         self.loop.call_soon_threadsafe(self.on_signal, sig)
 
     def on_signal(self, sig: int) -> None:
+        now = time.monotonic()
+        repeated, self.last_signal = now - self.last_signal < REPEAT_SECONDS, now
+        if repeated:
+            log.info("%s: the same stop, delivered twice (to the process group)", signal.Signals(sig).name)
+            return
         if self.drain_task is None:
             log.info("%s: stopping gracefully", signal.Signals(sig).name)
             self.drain_task = asyncio.ensure_future(self.drain_then_exit())

@@ -4,14 +4,11 @@ its readiness and drain, and the ``--max-concurrent-requests`` slots."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import pluggy
 
@@ -21,6 +18,7 @@ from tokenmill.engine.sequence import PRIORITY_CLASSES
 from tokenmill.engine.startup import start_engine
 from tokenmill.http.body import ApiError
 from tokenmill.http.validation import Validator
+from tokenmill.http.workers import ValidationWorkers
 from tokenmill.model import sharding
 from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
@@ -32,11 +30,15 @@ from tokenmill.plugin_manager import Chosen
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
 ENGINE_STOP_SECONDS = 10.0
 """After the grace period: how long the engine's current step may take to end."""
+
+
+BROKEN_EXIT_SECONDS = 2.0
+"""Once the engine broke: how long /health answers 503 and the requests get to write their error
+before the process exits (status 3, so that its supervisor restarts it; gunicorn stops too)."""
+
+BROKEN_EXIT_STATUS = 3
 
 
 ANSWER_SECONDS = 5.0
@@ -78,7 +80,6 @@ class ServerState:
         self.stages = Stages(observer=lambda stage, seconds, detail: pm.hook.tokenmill_load_stage(
             stage=stage, seconds=seconds, detail=detail))
         self.loaded: LoadedModel | None = None
-        self.validator: Validator | None = None
         self.engine: Engine | None = None
         self.shards: ShardProcesses | None = None
         """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
@@ -95,9 +96,8 @@ class ServerState:
         """Set by SIGTERM: /health and new requests say 503 while those in flight finish."""
         self.metrics = Metrics(self.live_snapshot)
         self.telemetry = Telemetry(self.metrics)
-        # Tokenizing a long prompt takes milliseconds: do it off the event loop, on one thread
-        # because a fast tokenizer must not be used from two threads at once.
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+        self.workers = ValidationWorkers(config.validation_workers)
+        """Where requests are validated, off the event loop (tokenizing a long prompt takes milliseconds)."""
 
     # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
 
@@ -109,16 +109,30 @@ class ServerState:
         self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off
-        adapters = started.adapters
-        self.validator = Validator(started.loaded.tokenizer, self.config, started.vocab_size,
-                                   adapter_names=(lambda: adapters.names) if adapters is not None else None,
-                                   model_id=started.loaded.model_id,
-                                   unavailable_reason=started.engine.unavailable_reason)
+        adapters, config = started.adapters, self.config
+        self.workers.start(lambda tokenizer: Validator(
+            tokenizer, config, started.vocab_size,
+            adapter_names=(lambda: adapters.names) if adapters is not None else None,
+            model_id=started.loaded.model_id, unavailable_reason=started.engine.unavailable_reason),
+            started.loaded.tokenizer)
         assert self.config.max_input_tokens and self.config.max_total_tokens
         self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
         started.engine.step_observer = self.metrics.step_finished
+        started.engine.broken_observer = self._exit_when_broken
         started.engine.start()
         self.engine = started.engine
+
+    def _exit_when_broken(self, reason: str) -> None:
+        """The engine broke (every request was told): /health says 503 for a moment, then the process exits."""
+        def exit_soon() -> None:
+            time.sleep(BROKEN_EXIT_SECONDS)
+            log.error("exiting with status %d: the engine is broken (%s)", BROKEN_EXIT_STATUS, reason)
+            if self.shards is not None:
+                self.shards.stop(timeout=2.0)
+            logging.shutdown()
+            os._exit(BROKEN_EXIT_STATUS)
+
+        threading.Thread(target=exit_soon, name="tokenmill-exit", daemon=True).start()
 
     def _watch_shards(self) -> None:
         """Start the other ranks, then watch them: a shard that ends ends the server. /health says 503 at
@@ -172,7 +186,8 @@ class ServerState:
             stage = self.stages.current or "starting"
             raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
         if not self.engine.healthy:
-            raise ApiError(503, "the engine has stopped", "unhealthy")
+            broken = self.engine.broken
+            raise ApiError(503, f"the engine is broken: {broken}" if broken else "the engine has stopped", "unhealthy")
         return self.engine
 
     async def drain(self, grace: float, now: asyncio.Event) -> None:
@@ -214,13 +229,9 @@ class ServerState:
                              "hit_tokens": engine.batch.prefix_hit_tokens} if engine.batch.prefix_caching else None,
         }
 
-    async def on_tokenizer_thread(self, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)`` on the tokenizer thread (tokenizing, compiling grammars and loading adapters
-        take milliseconds or more), in this request's context (its log lines carry its id)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_thread, contextvars.copy_context().run, call, *args)
-
     def take_slot(self) -> Slot:
+        """One of the ``--max-concurrent-requests`` places, taken before the request is even read
+        (as TGI takes its permit first), or 429."""
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
         self.in_flight += 1

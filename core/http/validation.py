@@ -12,6 +12,13 @@ from tokenmill.http.fields import MISSING, ValidationError, typed_field
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
 
+MAX_STOP_CHARACTERS = 512
+"""The longest stop sequence a request may give (matched as text, one character at a time)."""
+
+
+NOT_NULLABLE = ("decoder_input_details", "details", "do_sample", "stop", "watermark")
+"""TGI's parameters that may be left out but not null (its router rejects null where it has no Option)."""
+
 
 def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
     """The ``inputs`` string and ``parameters`` object of a TGI request body."""
@@ -22,12 +29,21 @@ def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
         raise ValidationError("missing field `inputs`")
     if not isinstance(inputs, str):
         raise ValidationError("`inputs` must be a string")
-    parameters = body.get("parameters")
-    if parameters is None:
-        parameters = {}
-    if not isinstance(parameters, dict):
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):  # null too: TGI's `parameters` is an object or absent
         raise ValidationError("`parameters` must be an object")
+    for name in NOT_NULLABLE:
+        if name in parameters and parameters[name] is None:
+            raise ValidationError(f"`{name}` must not be null")
     return inputs, parameters
+
+
+def compat_stream(body: dict[str, Any]) -> bool:
+    """The ``stream`` field of a body for ``/`` (TGI's compat route): a boolean, false when absent."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ValidationError(f"`stream` must be a boolean, got {stream!r}")
+    return stream
 
 
 def sampling_params(params: dict[str, Any]) -> SamplingParams:
@@ -153,6 +169,9 @@ def validate_generate(
         )
     if any(s == "" for s in stop):
         raise ValidationError("`stop` sequences cannot be empty strings")
+    if any(len(s) > MAX_STOP_CHARACTERS for s in stop):
+        raise ValidationError(f"`stop` sequences must be at most {MAX_STOP_CHARACTERS} characters long. "
+                              f"Given: {max(len(s) for s in stop)}")
 
     top_n_tokens = typed_field(params, "top_n_tokens", "integer") or 0
     max_top_n = config.max_top_n_tokens if max_top_n is None else max_top_n

@@ -49,7 +49,8 @@ def read_peft_adapter(name: str, path: Path, layers: dict[str, tuple[int, int]],
 
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
-        raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json and adapter_model.safetensors "
+        log.warning("adapter %s: %s has no adapter_config.json and adapter_model.safetensors", name, path)
+        raise AdapterError(f"adapter {name!r}: its directory has no adapter_config.json and adapter_model.safetensors "
                            "(a PEFT LoRA checkpoint)")
     try:
         config = json.loads(config_file.read_text())
@@ -156,7 +157,7 @@ class AdapterCache:
         path = locate(source)
         with self.lock:
             if name in self.sources and self.sources[name] != path:
-                raise AdapterError(f"adapter {name!r} is already loaded from {self.sources[name]}")
+                raise AdapterError(f"adapter {name!r} is already loaded from another directory")
         adapter = self._read(name, path)
         with self.lock:
             adapter = self._insert(name, adapter)

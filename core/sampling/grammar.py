@@ -78,11 +78,21 @@ class GrammarCompiler:
     def _checked(self, kind: str, source: str) -> Grammar:
         llguidance = _llguidance()
         # Compiling is the check: the matcher built here is the start state every sequence copies.
-        start = llguidance.LLMatcher(self.ll_tokenizer(), source, log_level=0)
+        start = llguidance.LLMatcher(self.ll_tokenizer(), source, log_level=0, limits=compile_limits(llguidance))
         if start.is_error():
             lines = [line.strip() for line in start.get_error().splitlines() if line.strip()]
             raise GrammarError(f"invalid {kind} grammar: {' '.join(lines[:3])}")
         return Grammar(kind, start, self.vocab_size, source)
+
+
+GRAMMAR_LIMITS = {"max_grammar_size": 200_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+                  "step_max_items": 50_000, "max_lexer_states": 100_000}
+"""llguidance's limits on one grammar: its size, the work of building its lexer (about 20 ms of fuel) and
+of each token's mask, so that no request's grammar takes unbounded time or memory."""
+
+
+def compile_limits(llguidance: Any) -> Any:
+    return llguidance.LLParserLimits(verbose_errors=False, **GRAMMAR_LIMITS)
 
 
 @dataclass(frozen=True)

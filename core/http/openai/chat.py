@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +86,18 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
+MAX_TOOLS = 128
+"""The most tools one request may offer (OpenAI's limit)."""
+
+TOOLS_COMPILE_SECONDS = 2.0
+"""The longest a request's tools may take to compile into its grammar (a 422 beyond)."""
+
+
 def parse_tools(tools: Any) -> list[Tool]:
     if not isinstance(tools, list):
         raise ChatError("`tools` must be a list")
+    if len(tools) > MAX_TOOLS:
+        raise ChatError(f"`tools`: at most {MAX_TOOLS} tools per request, got {len(tools)}")
     parsed: list[Tool] = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -142,11 +152,15 @@ def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: bool) -> Grammar:
     """The grammar of the output: a valid call of one of ``tools`` (or, when allowed, plain text)."""
+    deadline = time.monotonic() + TOOLS_COMPILE_SECONDS
     for tool in tools:  # each schema alone first, so that a broken one is named
         try:
             compiler.json_schema(tool.parameters)
         except GrammarError as error:
             raise ChatError(f"`tools`: the parameters of {tool.name!r}: {error}") from None
+        if time.monotonic() > deadline:
+            raise ChatError(f"`tools`: compiling their grammar takes longer than the limit of "
+                            f"{TOOLS_COMPILE_SECONDS:g} s; offer fewer or simpler tools")
     call = "%json " + json.dumps(tool_call_schema(tools))
     if not text_allowed:
         return compiler.lark(f"start: {call}\n")

@@ -22,7 +22,7 @@ from tokenmill.http.openai.chat import (
     tools_to_offer,
 )
 from tokenmill.http.validation import Validator
-from tokenmill.sampling.grammar import Grammar, GrammarError
+from tokenmill.sampling.grammar import Grammar, GrammarError, grammar_from_parameter
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs`` (chat); completions' ``logprobs`` stops at 5."""
@@ -159,7 +159,9 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         raise ValidationError(str(error)) from None
     params = sampling_parameters(body, None)
     response_format = typed_field(body, "response_format", "object")
-    if response_format is not None and response_format.get("type", "text") != "text":
+    if response_format is not None and "type" not in response_format:
+        raise ValidationError("`response_format` must have a `type`")
+    if response_format is not None and response_format["type"] != "text":
         if grammar is not None:
             raise ValidationError("`response_format` and `tools` cannot constrain the same output; "
                                   'send one of them (or `tool_choice: "none"`)')
@@ -169,12 +171,15 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
     if top_logprobs is not None:
         if not logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs: true`")
-        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValidationError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        limit = min(MAX_TOP_LOGPROBS, validator.config.max_top_n_tokens)
+        if not 0 <= top_logprobs <= limit:
+            raise ValidationError(f"`top_logprobs` must be between 0 and {limit} (--max-top-n-tokens), "
+                                  f"got {top_logprobs}")
         params["top_n_tokens"] = top_logprobs
     adapter = route(params, validator, body, priority)
     n = choice_count(body, config.max_client_batch_size)
-    request = validator.generate(prompt, params, stream, add_special_tokens=False, max_top_n=MAX_TOP_LOGPROBS,
+    request = validator.generate(prompt, params, stream, add_special_tokens=False,
+                                 max_top_n=min(MAX_TOP_LOGPROBS, validator.config.max_top_n_tokens),
                                  grammar=grammar)
     return OpenAIJob([request], n, stream, _stream_options(body, stream), logprobs, adapter or model,
                      may_call_tool=bool(offered))
@@ -199,8 +204,16 @@ def route(params: dict[str, Any], validator: Validator, body: dict[str, Any], pr
 
 def _response_format_grammar(validator: Validator, response_format: dict[str, Any]) -> tuple[dict[str, Any], Grammar]:
     """The response format as TGI's ``grammar`` parameter (what hooks see) and compiled, once, here,
-    so that a broken schema is named by its field."""
+    so that a broken schema is named by its field. OpenAI's formats, and TGI's own (its ``grammar``
+    parameter, ``{"type": "json" | "regex" | "json_schema", "value": ...}``, as its spec documents
+    ``response_format`` and huggingface_hub sends it)."""
     kind = response_format.get("type")
+    if kind in ("json", "regex") or (kind == "json_schema" and "json_schema" not in response_format):
+        try:
+            return response_format, grammar_from_parameter(validator.grammars, response_format)
+        except GrammarError as error:
+            message = str(error).replace("`grammar", "`response_format", 1)
+            raise ValidationError(message if message.startswith("`") else f"`response_format`: {message}") from None
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema":
@@ -209,7 +222,8 @@ def _response_format_grammar(validator: Validator, response_format: dict[str, An
             raise ValidationError("`response_format.json_schema` must be an object with `name` and `schema`")
         schema = spec["schema"]
     else:
-        raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema", got {kind!r}')
+        raise ValidationError(f'`response_format.type` must be "text", "json_object" or "json_schema" (or TGI\'s '
+                              f'"json" or "regex"), got {kind!r}')
     try:
         return {"type": "json", "value": schema}, validator.grammars.json_schema(schema)
     except GrammarError as error:
@@ -227,7 +241,7 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValidationError(
             "`prompt` must be a string or a non-empty list of strings (token-id prompts are not supported)")
-    if body.get("suffix"):
+    if typed_field(body, "suffix", "string"):
         raise ValidationError("`suffix` is not supported")
     stream = bool(typed_field(body, "stream", "boolean"))
     echo = bool(typed_field(body, "echo", "boolean"))
@@ -238,14 +252,16 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
     params = sampling_parameters(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
     logprobs = typed_field(body, "logprobs", "integer")
     if logprobs is not None:
-        if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise ValidationError(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}")
+        limit = min(MAX_COMPLETION_LOGPROBS, validator.config.max_top_n_tokens)
+        if not 0 <= logprobs <= limit:
+            raise ValidationError(f"`logprobs` must be between 0 and {limit} (--max-top-n-tokens), got {logprobs}")
         params["top_n_tokens"] = logprobs
         if echo:
             if stream:
                 raise ValidationError("`echo` with `logprobs` is not supported when streaming")
             params["decoder_input_details"] = True
     adapter = route(params, validator, body, priority)
-    requests = [validator.generate(text, params, stream, max_top_n=MAX_COMPLETION_LOGPROBS) for text in prompts]
+    limit = min(MAX_COMPLETION_LOGPROBS, validator.config.max_top_n_tokens)
+    requests = [validator.generate(text, params, stream, max_top_n=limit) for text in prompts]
     return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, adapter or model,
                      echo=echo)

@@ -10,9 +10,8 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent
-from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.body import read_json
 from tokenmill.http.context import header_priority, record_of
-from tokenmill.http.fields import ValidationError
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.openai.parse import parse_chat, parse_completion
 from tokenmill.http.openai.shapes import OpenAIStream, chat_completion_json, completion_json, sse_events
@@ -31,18 +30,20 @@ class OpenAIRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         generation, state = self.generation, self.state
         state.ready_engine()
-        body = await read_json(req, state.config.payload_limit)
-        parse = parse_chat if self.chat else parse_completion
+        slot = state.take_slot()
         try:
-            job = await state.on_tokenizer_thread(parse, generation.validator(), body, served_model(state),
-                                                  header_priority(req) or None)  # an empty header: the default
-        except ValidationError as error:
-            raise ApiError(422, str(error), "validation") from None
+            body = await read_json(req, state.config.payload_limit)
+            parse = parse_chat if self.chat else parse_completion
+            model, priority = served_model(state), header_priority(req) or None  # an empty header: the default
+            job = await generation.validate(lambda validator: parse(validator, body, model, priority))
+        except BaseException:
+            slot.release()
+            raise
         if job.stream:
-            run = await generation.open_stream(req, resp, job.sequences(), job.requests)
+            run = await generation.open_stream(req, resp, slot, job.sequences(), job.requests)
             resp.sse = sse_events(self.chunks(run, OpenAIStream(job, self.chat)))
             return
-        results = await generation.run_tracked(req, job.sequences())
+        results = await generation.run_tracked(req, slot, job.sequences())
         timing_headers(resp, record_of(req), job.requests[0], generation.device)
         resp.media = chat_completion_json(job, results) if self.chat else completion_json(job, results)
 

@@ -103,7 +103,9 @@ class StopHoldback:
         self.pending = ""
         self.stopped = False
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, held: int) -> str:
+        """The text that can be sent now, given the new ``text`` and how many characters at the end of
+        the output could begin a stop sequence (``TokenEvent.held``, counted by the engine)."""
         if self.stopped:
             return ""
         if not self.stops:
@@ -113,8 +115,7 @@ class StopHoldback:
         if len(cut) < len(self.pending):
             self.stopped, self.pending = True, ""
             return cut
-        keep = max((k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])),
-                   default=0)
+        keep = min(held, len(self.pending))
         ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return ready
 
@@ -146,7 +147,7 @@ class ChoiceStream:
 
     def on_token(self, event: TokenEvent) -> list[dict[str, Any]]:
         token = event.token
-        text = "" if token.special else self.holdback.push(token.text)
+        text = "" if token.special else self.holdback.push(token.text, event.held)
         if event.final is not None:
             text += self.holdback.finish()
         chunks = []

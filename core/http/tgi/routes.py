@@ -12,8 +12,8 @@ from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.context import record_of, with_header_priority
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
-from tokenmill.http.state import ServerState
-from tokenmill.http.validation import ValidationError, parse_body
+from tokenmill.http.state import ServerState, Slot
+from tokenmill.http.validation import ValidationError, compat_stream, parse_body
 
 
 def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
@@ -59,29 +59,33 @@ class GenerateRoute:
         self.stream = stream
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        request, stream = await self.prepare(req)
+        self.state.ready_engine()
+        slot = self.state.take_slot()
+        try:
+            request, stream = await self.prepare(req)
+        except BaseException:
+            slot.release()
+            raise
         if stream:
-            run = await self.generation.open_stream(req, resp, [(request, None)], [request])
+            run = await self.generation.open_stream(req, resp, slot, [(request, None)], [request])
             resp.sse = self.events(run, request)
         else:
-            await self.respond_json(req, resp, request, as_list=self.stream is None)
+            await self.respond_json(req, resp, slot, request, as_list=self.stream is None)
 
     async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
-        self.state.ready_engine()
         body = await read_json(req, self.state.config.payload_limit)
-        stream = self.stream if self.stream is not None else bool(isinstance(body, dict) and body.get("stream"))
         try:
             inputs, params = parse_body(body)
+            stream = self.stream if self.stream is not None else compat_stream(body)
             params = with_header_priority(req, params)
-            request = await self.state.on_tokenizer_thread(self.generation.validator().generate, inputs, params,
-                                                           stream)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
+        request = await self.generation.validate(lambda validator: validator.generate(inputs, params, stream))
         return request, stream
 
-    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+    async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, slot: Slot,
                            request: GenerationRequest, as_list: bool) -> None:
-        results = await self.generation.run_tracked(req, [(request, None)] * request.best_of)
+        results = await self.generation.run_tracked(req, slot, [(request, None)] * request.best_of)
         best = max(results, key=lambda r: r.logprob_sum())
         body: dict[str, Any] = {"generated_text": best.generated_text}
         if request.details:
@@ -112,12 +116,12 @@ class TokenizeRoute:
             inputs, _ = parse_body(body)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
-        assert self.state.loaded is not None
-        tokenizer = self.state.loaded.tokenizer
-        if not getattr(tokenizer, "is_fast", False):
+        validator = self.state.workers.first
+        assert validator is not None
+        if not getattr(validator.tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
-        encoding = await self.state.on_tokenizer_thread(
-            lambda: tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True))
+        encoding = await self.state.workers.validate(
+            lambda validator: validator.tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True))
         resp.media = [
             {"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
             for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])

@@ -1,0 +1,57 @@
+"""The validation workers: ``--validation-workers`` threads that do a request's slow, CPU-bound
+checks off the event loop (tokenizing up to the payload limit, chat templates, compiling grammars,
+loading adapters), each with a :class:`Validator` of its own.
+
+A fast tokenizer must not be used from two threads at once, so each validator holds its own copy
+of the tokenizer (and the engine thread detokenizes with the original).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+import queue
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tokenmill.http.validation import Validator
+
+T = TypeVar("T")
+
+
+class ValidationWorkers:
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.executor = ThreadPoolExecutor(count, thread_name_prefix="tokenmill-validation")
+        self._free: queue.SimpleQueue[Validator] = queue.SimpleQueue()
+        self.first: Validator | None = None
+        """One of the validators, for what only reads their settings (None until the model is loaded)."""
+
+    def start(self, make: Callable[[Any], Validator], tokenizer: Any) -> None:
+        """Give each worker a validator made by ``make`` from its own copy of ``tokenizer``."""
+        validators = [make(copy.deepcopy(tokenizer)) for _ in range(self.count)]
+        for validator in validators:
+            self._free.put(validator)
+        self.first = validators[0]
+
+    async def validate(self, check: Callable[[Validator], T]) -> T:
+        """``check(validator)`` on a worker, with a validator no other thread uses meanwhile, in this
+        request's context (its log lines carry its id)."""
+        def run() -> T:
+            validator = self._free.get()
+            try:
+                return check(validator)
+            finally:
+                self._free.put(validator)
+
+        return await self.run(run)
+
+    async def run(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on a worker (loading an adapter), in this request's context."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, contextvars.copy_context().run, call, *args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False)

@@ -1,0 +1,123 @@
+"""Work per request is bounded where the client chooses it: its concurrency place is taken before it
+is read, stop sequences, tools, top log-probabilities and JSON nesting have limits (a 422 that
+names the limit), and none of it runs on the event loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import RunningServer, start_server
+
+from tokenmill.http.body import MAX_JSON_DEPTH
+from tokenmill.http.openai.chat import MAX_TOOLS
+from tokenmill.http.validation import MAX_STOP_CHARACTERS
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory) -> Iterator[RunningServer]:
+    running = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "1024",
+                            "--max-top-n-tokens", "2", "--max-concurrent-requests", "2", "--stream-buffer-tokens",
+                            "4", "--backend", "paged"], tmp_path_factory.mktemp("bounds"))
+    yield running
+    running.stop()
+
+
+def error_of(answer: httpx.Response) -> str:
+    assert answer.status_code == 422, answer.text
+    assert set(answer.json()) == {"error", "error_type"} and answer.json()["error_type"] == "validation"
+    return answer.json()["error"]
+
+
+def test_a_stop_sequence_longer_than_the_limit_is_a_422(server):
+    with server.client() as client:
+        answer = client.post("/generate", json={"inputs": "Hi", "parameters": {"stop": ["x" * 500_000]}})
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "stop": "y" * (MAX_STOP_CHARACTERS + 1)})
+        fits = client.post("/generate", json={"inputs": "Hi", "parameters": {
+            "stop": ["z" * MAX_STOP_CHARACTERS], "max_new_tokens": 3}})
+    assert f"at most {MAX_STOP_CHARACTERS} characters" in error_of(answer)
+    assert f"at most {MAX_STOP_CHARACTERS} characters" in error_of(chat)
+    assert fits.status_code == 200, fits.text
+
+
+def test_a_long_stop_sequence_streams_without_holding_the_event_loop(server):
+    """The holdback of OpenAI streams is counted by the engine: /health answers while it streams."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stop": ["q" * MAX_STOP_CHARACTERS],
+            "max_tokens": 60, "stream": True}
+    with server.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert client.get("/health").status_code == 200
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_too_many_tools_is_a_422_that_names_the_limit(server):
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+             for i in range(MAX_TOOLS + 1)]
+    with server.client() as client:
+        answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                            "tools": tools})
+    assert f"at most {MAX_TOOLS} tools" in error_of(answer)
+
+
+def test_openai_log_probabilities_obey_max_top_n_tokens(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    with server.client() as client:
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True,
+                                                          "top_logprobs": 3, "max_tokens": 2})
+        completion = client.post("/v1/completions", json={"prompt": "Hi", "logprobs": 3, "max_tokens": 2})
+        allowed = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True,
+                                                             "top_logprobs": 2, "max_tokens": 2})
+    assert "between 0 and 2 (--max-top-n-tokens)" in error_of(chat)
+    assert "between 0 and 2 (--max-top-n-tokens)" in error_of(completion)
+    assert allowed.status_code == 200
+    assert len(allowed.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions", "/v1/completions"])
+def test_deeply_nested_json_is_a_422_not_a_crash(server, route):
+    deep = b"[" * 200_000 + b"]" * 200_000
+    nested = {"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": {}}}}
+    value = nested["parameters"]["grammar"]["value"]
+    for _ in range(MAX_JSON_DEPTH):
+        value["items"] = {}
+        value = value["items"]
+    with server.client() as client:
+        raw = client.post(route, content=deep, headers={"Content-Type": "application/json"})
+        parsed = client.post(route, json=nested)
+        assert client.get("/health").status_code == 200
+    assert "nests deeper than" in error_of(raw)
+    assert "nests deeper than" in error_of(parsed)
+    assert "Traceback" not in raw.text + parsed.text
+
+
+def test_the_concurrency_place_is_taken_before_the_request_is_validated(server):
+    """As TGI takes its permit first: with every place held, even an invalid request gets 429."""
+    started = threading.Barrier(3)
+
+    def hold() -> None:
+        with server.client() as client, client.stream("POST", "/generate_stream", json={
+                "inputs": "Hi", "parameters": {"max_new_tokens": 200}}) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            started.wait(timeout=60)
+            started.wait(timeout=60)  # hold the place, unread, until the checks are done
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=60)
+    try:
+        with server.client() as client:
+            invalid = client.post("/generate", json={"inputs": "Hi", "parameters": {"temperature": -1}})
+            chat = client.post("/v1/chat/completions", json={"messages": "not a list"})
+    finally:
+        started.wait(timeout=60)
+        for thread in threads:
+            thread.join(60)
+    assert invalid.status_code == 429 and invalid.json()["error_type"] == "overloaded"
+    assert chat.status_code == 429
+    with server.client() as client:  # both places came back
+        assert client.post("/generate", json={"inputs": "Hi", "parameters": {"temperature": -1}}).status_code == 422
