@@ -90,22 +90,24 @@ class RunningServer:
 
 
 def launch_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
-                  python: str = sys.executable) -> RunningServer:
-    """Start ``tokenmill launch`` (with ``python``) on a free loopback port, without waiting for it."""
+                  python: str = sys.executable, new_session: bool = False) -> RunningServer:
+    """Start ``tokenmill launch`` (with ``python``) on a free loopback port, without waiting for it;
+    ``new_session``: in a session (and process group) of its own, for tests that signal the whole group."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     # Servers run their forward eagerly unless a test asks: compiling costs each start tens of seconds.
     full_env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", "COMPILE_MODEL": "false", **(env or {})}
     command = [python, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                   start_new_session=new_session)
     return RunningServer(process, port, log_path)
 
 
-def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0, python: str = sys.executable) -> RunningServer:
+def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready_timeout: float = 300.0,
+                 python: str = sys.executable, new_session: bool = False) -> RunningServer:
     """:func:`launch_server`, then wait for /health."""
-    server = launch_server(args, tmp_path, env, python)
+    server = launch_server(args, tmp_path, env, python, new_session)
     process = server.process
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

@@ -46,6 +46,23 @@ def test_temperature_sharpens_the_distribution():
     assert cold[0] > LOGITS.softmax(-1)[0]
 
 
+def test_extreme_temperatures_leave_a_distribution_to_sample_from():
+    """Found by .ci/fuzz: a temperature of 5e-324 (0 in float32) turned the scores into inf and NaN."""
+    masked = torch.cat([LOGITS, torch.tensor([-math.inf])])
+    for temperature in (5e-324, 1e-40, 1e308):
+        probs = warp(masked, SamplingParams(temperature=temperature)).softmax(-1)
+        assert not probs.isnan().any() and abs(float(probs.sum()) - 1) < 1e-6 and probs[-1] == 0, temperature
+    assert warp(masked, SamplingParams(temperature=5e-324)).softmax(-1)[0] == 1.0  # the limit: greedy
+    assert torch.allclose(warp(masked, SamplingParams(temperature=1e308)).softmax(-1)[:-1], torch.full((6,), 1 / 6))
+
+
+def test_the_smallest_repetition_penalty_keeps_scores_finite():
+    sampler = SequenceSampler(SamplingParams(repetition_penalty=5e-324, do_sample=True), 1, [], 0)
+    scores = sampler.process([0, 4, 5], LOGITS)  # LOGITS[4] is 0: not 0 / 0
+    assert torch.isfinite(scores).all() and int(scores.argmax()) == 0
+    assert math.isfinite(sampler.choose([0, 4, 5], LOGITS).logprob)
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     sampler = SequenceSampler(SamplingParams(repetition_penalty=2.0), None, [], 0)
     scores = sampler.process([0, 5], LOGITS)

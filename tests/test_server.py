@@ -133,6 +133,27 @@ def test_compat_route_dispatches_on_stream(tiny_server):
             assert len(sse_events(r)) == 3
 
 
+def test_compat_route_stream_must_be_a_boolean(tiny_server):
+    """Found by .ci/fuzz: ``"stream": "false"`` (or {}) was read as true and streamed."""
+    with tiny_server.client() as client:
+        for stream in ("false", {}, None, 1):
+            response = client.post("/", json={"inputs": "Hi", "stream": stream, "parameters": {"max_new_tokens": 2}})
+            assert response.status_code == 422 and "`stream`" in response.json()["error"], stream
+
+
+def test_the_smallest_temperature_and_repetition_penalty_still_generate(tiny_server):
+    """Found by .ci/fuzz: 5e-324 (0 in float32) made the scores inf or NaN and failed the sequence."""
+    with tiny_server.client() as client:
+        with client.stream("POST", "/generate_stream", json={"inputs": "Hi", "parameters": {
+                "max_new_tokens": 3, "temperature": 5e-324}}) as r:
+            events = sse_events(r)
+        assert [e.get("index") for e in events] == [1, 2, 3], events
+        penalized = generate(client, "Hi Hi Hi", max_new_tokens=3, repetition_penalty=5e-324, do_sample=True,
+                             details=True)
+        assert penalized.status_code == 200, penalized.text
+        assert all(t["logprob"] <= 0 for t in penalized.json()["details"]["tokens"])
+
+
 def test_tokenize_returns_ids_and_offsets(tiny_server, tiny_model):
     _, tokenizer = tiny_model
     with tiny_server.client() as client:
@@ -205,6 +226,10 @@ def test_invalid_parameters_are_422_naming_the_parameter(tiny_server, parameters
     ({"inputs": "word " * 600, "parameters": {"max_new_tokens": 1}}, "inputs"),
     ({"inputs": "Hi", "parameters": "fast"}, "parameters"),
     ({"inputs": "Hi", "parameters": []}, "parameters"),
+    # Null where TGI's GenerateRequest has no Option (found by .ci/fuzz): TGI answers 422, and so do we.
+    ({"inputs": "Hi", "parameters": None}, "parameters"),
+    ({"inputs": "Hi", "parameters": {"details": None}}, "details"),
+    ({"inputs": "Hi", "parameters": {"stop": None}}, "stop"),
 ])
 def test_invalid_bodies_are_422(tiny_server, body, named):
     with tiny_server.client() as client:

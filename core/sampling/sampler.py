@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def new_seed() -> int:
     return random.SystemRandom().randrange(1, 2**63 - 1)
@@ -70,9 +72,11 @@ class SequenceSampler:
                 seen = torch.unique(history)
                 picked = scores[seen]
                 scores = scores.clone()
-                scores[seen] = torch.where(
-                    picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
-                )
+                # In float64 and clamped to float32's range: a penalty as small as 5e-324 (0 in float32)
+                # must not turn a score into inf or 0 / 0 (NaN), which no token can be sampled from.
+                wide = picked.double()
+                penalized = torch.where(wide < 0, wide * p.repetition_penalty, wide / p.repetition_penalty)
+                scores[seen] = penalized.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(scores.dtype)
             if p.frequency_penalty:
                 # TGI's rule: the penalty scales each token's share of the sequence so far.
                 counts = torch.bincount(history, minlength=scores.shape[-1]).to(scores.dtype)
@@ -124,7 +128,9 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
 def warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and typical-p truncation (removed tokens get -inf)."""
     if p.temperature is not None and p.temperature != 1.0:
-        scores = scores / p.temperature
+        # Relative to the best score and in float64 (the same softmax): no valid temperature, from
+        # 5e-324 (0 in float32) to 1e308, overflows the scores into inf - inf or 0 / 0 (NaN).
+        scores = ((scores.double() - scores.max()) / p.temperature).to(scores.dtype)
     if p.top_k:
         k = min(p.top_k, scores.shape[-1])
         kth = torch.topk(scores, k).values[-1]
