@@ -301,22 +301,15 @@ _HELP = {
     "hostname": "address to listen on",
     "port": "port to listen on (also read from PORT)",
     "payload_limit": "largest request body in bytes (413 above it)",
-    "max_failed_steps": ("consecutive failed engine steps after which the engine counts as broken: /health says "
-                         "503, every request gets an error, and the process exits with status 3"),
-    "step_timeout": ("seconds one engine step may take (sharded or not) before the engine counts as broken, as "
-                     "--max-failed-steps does; generous for big models on CPU"),
-    "stream_idle_timeout": ("seconds a stream may keep its buffer full (its client reads nothing) before it is "
-                            "ended and its KV memory freed"),
-    "validation_workers": ("threads that validate requests (tokenizing, chat templates, grammars), each with its "
-                           "own tokenizer"),
-    "lora_adapter_dir": ("directory that POST /adapters may load adapters from (repeatable; the environment "
-                         "variable takes a list separated by ':')"),
-    "allow_adapter_loading": ("allow POST /adapters without --api-key (logged as a warning at start): anyone who "
-                              "reaches the port can then load adapters from --lora-adapter-dir"),
+    "max_failed_steps": "engine steps failing in a row that break the engine (/health 503, exit status 3)",
+    "step_timeout": "seconds one engine step may run (sharded or not) before the engine counts as broken",
+    "stream_idle_timeout": "seconds a stream may leave its full buffer unread before it is ended and its KV freed",
+    "validation_workers": "threads validating requests (tokenizing, chat templates, grammars), own tokenizer each",
+    "lora_adapter_dir": "directory POST /adapters may load from (repeatable; the variable takes a ':' list)",
+    "allow_adapter_loading": "allow POST /adapters without --api-key (logged as a warning): trusted networks only",
     "graceful_termination_timeout": ("after SIGTERM: seconds in-flight requests may take to finish (/health and new "
                                      "requests say 503 meanwhile) before they are ended with an error"),
-    "api_key": ("require `Authorization: Bearer <key>` on every route but /health, /info, /metrics and /v1/models "
-                "(401 otherwise)"),
+    "api_key": "require `Authorization: Bearer <key>` on all routes but /health, /info, /metrics, /v1/models (401)",
     "cors_allow_origin": ("origins allowed to call the API from a browser, comma-separated, or * (default: no CORS "
                           "headers)"),
     "json_output": "log as JSON lines, each request's lines with its request id",

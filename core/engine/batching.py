@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.output import Output
+from tokenmill.engine.scheduling import GuardedQueue
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
 
@@ -47,7 +48,8 @@ class Batch:
         self.fail = fail
         """The engine's own ``release`` and ``fail`` (which an engine-owning backend may extend): every
         sequence the batch ends or frees goes through them."""
-        self.queue = queue
+        self.scheduler = GuardedQueue(queue)
+        """Every call into the scheduler plugin, guarded: one that raises never loses a sequence silently."""
         self.output = output
         self.prefill_budget = prefill_budget
         self.stream_buffer_tokens = stream_buffer_tokens
@@ -65,8 +67,15 @@ class Batch:
         cache ..."""
         self.prefix_hit_tokens = 0
         """... and of those, the tokens found there."""
-        self.scheduler_faults = 0
-        """Calls into the scheduler plugin that raised (the engine then ends the sequences they orphaned)."""
+
+    @property
+    def queue(self) -> SchedulerQueue:
+        """The scheduler plugin's queue (what :attr:`scheduler` guards)."""
+        return self.scheduler.queue
+
+    @queue.setter
+    def queue(self, queue: SchedulerQueue) -> None:
+        self.scheduler.queue = queue
 
     @property
     def holding(self) -> list[Sequence]:
@@ -101,18 +110,6 @@ class Batch:
             elif now - seq.paused_since > timeout:
                 idle.append(seq)
         return idle
-
-    def scheduler_fault(self, call: str, error: Exception) -> None:
-        """The scheduler plugin's ``call`` raised: count it (the step fails) and log it."""
-        self.scheduler_faults += 1
-        log.error("the scheduler's %s raised %s: %s", call, type(error).__name__, error, exc_info=error)
-
-    def requeue(self, seq: Sequence) -> None:
-        """Give ``seq`` back to the scheduler; if that raises, ``seq`` is orphaned (the engine ends it)."""
-        try:
-            self.queue.requeue(seq)
-        except Exception as error:  # noqa: BLE001 - a faulty plugin fails the sequence, not the engine
-            self.scheduler_fault("requeue", error)
 
     def step_budget(self, prefill_tokens: int | None = None) -> StepBudget:
         """What a step can take in, as the scheduler is told: ``prefill_tokens`` (by default the whole
@@ -163,16 +160,10 @@ class Batch:
     def _preempt_for_waiting(self) -> None:
         """Set aside the running sequences the scheduler names to let waiting ones start (a
         scheduler without ``preempt`` never does)."""
-        choose = getattr(self.queue, "preempt", None)
         holding = self.holding
-        if choose is None or not holding or not len(self.queue):
+        if not holding or not len(self.queue):
             return
-        try:
-            preemptions = list(choose(holding, self.step_budget()))
-        except Exception as error:  # noqa: BLE001 - no preemption this step
-            self.scheduler_fault("preempt", error)
-            return
-        for preemption in preemptions:
+        for preemption in self.scheduler.preempt(holding, self.step_budget()):
             if preemption.seq not in holding:
                 continue
             if preemption.keep_kv and self.runner.pausable and preemption.seq in self.running:
@@ -184,7 +175,7 @@ class Batch:
         """Take a decoding sequence out of the batch with its KV memory kept; when the scheduler
         admits it again, its one pending token runs as a one-token prefill and it decodes on."""
         self.running = [s for s in self.running if s.id != seq.id]
-        self.requeue(seq)
+        self.scheduler.requeue(seq)
         self.suspensions += 1
         log.info("suspended sequence %d (%d tokens, KV kept)", seq.id, seq.total_len)
 
@@ -202,7 +193,7 @@ class Batch:
         """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
         self.release([seq])
         seq.num_computed = 0
-        self.requeue(seq)
+        self.scheduler.requeue(seq)
         self.preemptions += 1
         log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
 
@@ -217,12 +208,7 @@ class Batch:
                 budget -= chunk
         if budget <= 0:
             return plan
-        try:
-            admitted = list(self.queue.admit(self.holding, self.step_budget(budget)))
-        except Exception as error:  # noqa: BLE001 - what it took is orphaned, and ended by the engine
-            self.scheduler_fault("admit", error)
-            return plan
-        for seq in admitted:
+        for seq in self.scheduler.admit(self.holding, self.step_budget(budget)):
             chunk = self._start_prefill(seq, budget)
             if chunk:
                 self.prefilling.append(seq)
@@ -242,7 +228,7 @@ class Batch:
         if not chunk or not self._plan_chunk(seq, chunk):
             # It must go whole and does not fit what is left, or its KV memory is short: next step.
             seq.num_computed -= cached
-            self.requeue(seq)
+            self.scheduler.requeue(seq)
             return 0
         if self.prefix_caching and fresh:
             if not seq.generated_ids:

@@ -17,21 +17,23 @@ from typing import Any
 import pluggy
 import torch
 
-from tokenmill.engine.batching import Batch, StepPlan
+from tokenmill.engine.batching import Batch
 from tokenmill.engine.health import Broken, EngineHealth
 from tokenmill.engine.inbox import Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
 from tokenmill.engine.registry import LiveSequences
 from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent, queue_entry
+from tokenmill.engine.step import StepExecution
 from tokenmill.engine.stream import EventSink, EventStream
-from tokenmill.engine.timing import StepClock, StepTiming
-from tokenmill.interfaces import BackendRunner, SchedulerQueue, StepOutput
-from tokenmill.sampling import SamplingParams, SequenceSampler, new_seed, uses_sampling
+from tokenmill.engine.surface import BackendSurface
+from tokenmill.engine.timing import StepTiming
+from tokenmill.interfaces import BackendRunner, SchedulerQueue
+from tokenmill.sampling import SamplingParams, new_seed, uses_sampling
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(BackendSurface):
     """Continuous batching over a :class:`BackendRunner`.
 
     A backend that brings its own engine (``Backend.owns_engine``) subclasses this class and
@@ -50,6 +52,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.output = Output(tokenizer, eos_ids, pm, watermark)
         self.batch = Batch(runner, queue, self.output, prefill_budget, stream_buffer_tokens, self.release, self.fail)
+        self.execution = StepExecution(self.batch, self.output, self.release, self.fail)
         self.step_observer: Callable[[StepTiming], None] | None = None
         """Told about every step that runs the model (the server sets its metrics here after warm-up)."""
         self.inbox = Inbox()
@@ -151,64 +154,6 @@ class Engine:
                 return
         raise RuntimeError(f"the warm-up did not finish in {max_steps} steps (is the prefill budget too small?)")
 
-    # ---- the public surface of an engine-owning backend (engine thread) ----
-    @property
-    def runner(self) -> BackendRunner:
-        return self.batch.runner
-
-    @runner.setter
-    def runner(self, runner: BackendRunner) -> None:
-        self.batch.runner = runner  # e.g. a runner wrapped after start-up
-
-    @property
-    def queue(self) -> SchedulerQueue:
-        return self.batch.queue
-
-    @queue.setter
-    def queue(self, queue: SchedulerQueue) -> None:
-        self.batch.queue = queue
-
-    @property
-    def running(self) -> list[Sequence]:
-        """The sequences that decode (a list the engine-owning backend may append admitted ones to)."""
-        return self.batch.running
-
-    @property
-    def prefill_budget(self) -> int:
-        return self.batch.prefill_budget
-
-    @property
-    def preemptions(self) -> int:
-        return self.batch.preemptions
-
-    @preemptions.setter
-    def preemptions(self, count: int) -> None:
-        self.batch.preemptions = count  # an engine-owning backend reports its own engine's
-
-    @property
-    def suspensions(self) -> int:
-        return self.batch.suspensions
-
-    def step_budget(self, prefill_tokens: int | None = None) -> Any:
-        """The :class:`StepBudget` the scheduler admits within (by default the whole prefill budget)."""
-        return self.batch.step_budget(prefill_tokens)
-
-    def start_sequence(self, seq: Sequence) -> bool:
-        """Give an admitted sequence its sampler and detokenizer; False when that failed (told, released)."""
-        return self.batch.start_sequence(seq)
-
-    @staticmethod
-    def sampler(seq: Sequence) -> SequenceSampler:  # a started sequence's: its processors, matcher, seed
-        return seq.state.sampler
-
-    def accept_token(self, seq: Sequence, token_id: int, logprob: float | None,
-                     top: list[tuple[int, float]] | None = None) -> bool:
-        """Append a chosen token to ``seq`` and send its event; True when it finished (release it then)."""
-        return self.output.accept_token(seq, token_id, logprob, top)
-
-    def prompt_token_infos(self, prompt_ids: list[int], logprobs: list[float | None]) -> list[Any]:
-        return self.output.prompt_token_infos(prompt_ids, logprobs)  # as decoder_input_details reports them
-
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""
         self.batch.forget(seqs)
@@ -245,55 +190,15 @@ class Engine:
     def step(self) -> None:
         """One engine step: plan it, run it in one backend call, sample and emit its tokens. A
         sequence whose prompt completes samples its first token now and decodes from the next step."""
-        faults = self.batch.scheduler_faults
+        faults = self.batch.scheduler.faults
         plan = self.batch.plan()
-        if self.batch.scheduler_faults != faults:
+        if self.batch.scheduler.faults != faults:
             self.end_orphans("the scheduler failed")
             self.health.step_ended(ok=False)
         self._idle = plan.empty and bool(self.batch_size or len(self.queue))
         if plan.empty:
             return
-        clock = StepClock(plan.method, len(plan.prefill))
-        try:
-            out = self._forward(plan)
-        except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
-            log.exception("engine step failed")
-            isolated = self._isolate(plan)
-            self.observe_step(clock.timing(ok=bool(isolated)))
-            if isolated is None:
-                self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
-            return
-        clock.forwarded()
-        self._sample(plan, out)
-        self.observe_step(clock.timing(ok=out.prefill_error is None))
-
-    def _forward(self, plan: StepPlan) -> StepOutput:
-        return self.runner.step(list(plan.prefill), list(plan.chunks),
-                                [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
-
-    def _isolate(self, plan: StepPlan) -> bool | None:
-        """After a failed step, where the backend can run any subset of it: run each prefill chunk
-        alone and the decoding sequences together, so that a failure pinned to one request (its
-        prompt, its prompt logits) fails only that request. True when some part ran (the step did
-        not fail as a whole), False when none did (each part failed its sequences); None when the
-        step cannot be split (nothing was done)."""
-        parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
-        if plan.decode:
-            parts.append(StepPlan((), (), plan.decode))
-        if not self.runner.pausable or len(parts) < 2:
-            return None
-        ran = False
-        for part in parts:
-            try:
-                out = self._forward(part)
-            except Exception as error:  # noqa: BLE001 - this part's sequences fail
-                log.error("step part of sequences %s failed: %s: %s",
-                          [s.id for s in part.prefill + part.decode], type(error).__name__, error)
-                self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
-                continue
-            self._sample(part, out)
-            ran = True
-        return ran
+        self.observe_step(self.execution.run(plan))
 
     def end_orphans(self, why: str) -> None:
         """End with an error every live sequence that is neither in the batch nor waiting (after a
@@ -301,32 +206,10 @@ class Engine:
         orphans = self.live.orphans(self.batch.holding, self.queue)
         if orphans is None:
             orphans = [s for s in self.live.all() if s not in self.batch.holding]
-            self._drain_queue()
+            self.batch.scheduler.drain()
         if orphans:
             log.error("%s: ending %d sequences it dropped", why, len(orphans))
             self.fail(orphans, f"{why}; the request could not be scheduled")
-
-    def _drain_queue(self) -> list[Sequence]:
-        try:
-            return list(self.queue.drain())
-        except Exception as error:  # noqa: BLE001 - the registry still knows every sequence
-            self.batch.scheduler_fault("drain", error)
-            return []
-
-    def _sample(self, plan: StepPlan, out: StepOutput) -> None:
-        """Sample the step's tokens from its logits and hand them to their sequences."""
-        if plan.decode:
-            assert out.decode_logits is not None
-            self.release(self.output.sample(list(plan.decode), out.decode_logits))
-        if out.prefill_error is not None:
-            error = out.prefill_error
-            log.error("prefill failed: %s: %s", type(error).__name__, error)
-            self.fail(list(plan.prefill), f"prefill failed: {type(error).__name__}: {error}")
-        elif plan.prefill:
-            assert out.prefill is not None
-            done, rows = self.batch.prefilled(plan, out.prefill)
-            if done:
-                self.release(self.output.sample(done, out.prefill.last_logits[rows]))
 
     def run_once(self) -> None:
         """Take the requests and cancellations the HTTP side handed over, then run one step."""
@@ -339,36 +222,23 @@ class Engine:
             self.step()
         finally:
             self.health.step_done()
-        self._published = (tuple(self._pending()), tuple(self.batch.prefilling), tuple(self.running))
+        self._published = (tuple(self.batch.scheduler.pending()), tuple(self.batch.prefilling), tuple(self.running))
 
     def _take_inbox(self) -> None:
         incoming, cancelled, resets = self.inbox.take()
-        added = self.batch.scheduler_faults
+        added = self.batch.scheduler.faults
         for seq in incoming:
             if not seq.cancelled:
                 self.live.add(seq)
-                try:
-                    self.queue.add(seq)
-                except Exception as error:  # noqa: BLE001 - this sequence fails, the others go on
-                    self.batch.scheduler_fault("add", error)
+                if not self.batch.scheduler.add(seq):
                     self.fail([seq], "the scheduler failed; the request could not be queued")
-        if self.batch.scheduler_faults != added:
+        if self.batch.scheduler.faults != added:
             self.health.step_ended(ok=False)
         for seq in cancelled:  # waiting or running: its KV memory is freed now
-            try:
-                self.queue.remove(seq)
-            except Exception as error:  # noqa: BLE001 - a cancelled sequence it still holds is skipped
-                self.batch.scheduler_fault("remove", error)
+            self.batch.scheduler.remove(seq)
         self.release(cancelled)
         for done in resets:
             done(self.drop_cached_prefixes())
-
-    def _pending(self) -> list[Sequence]:
-        pending = getattr(self.queue, "pending", None)
-        try:
-            return list(pending()) if pending else []
-        except Exception:  # noqa: BLE001 - /queue shows none waiting rather than the loop failing
-            return []
 
     def _loop(self) -> None:
         try:
@@ -398,7 +268,7 @@ class Engine:
         incoming, resets = self.inbox.close()
         for done in resets:
             done(0)
-        for seq in self.batch.holding + self._drain_queue() + incoming + self.live.all():
+        for seq in self.batch.holding + self.batch.scheduler.drain() + incoming + self.live.all():
             emit(seq, ErrorEvent(message, "unhealthy"))
         self.batch.running, self.batch.prefilling = [], []
 

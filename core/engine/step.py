@@ -1,0 +1,84 @@
+"""Running one planned step: its forward pass in one backend call, then each sequence's token sampled
+and handed on. After a step that failed, where the backend can run any part of a step alone, each
+prefill chunk runs alone and the decoding sequences together, so that a failure pinned to one request
+(its prompt, its prompt logits) fails only that request; a step that fails as a whole fails its
+sequences."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.engine.batching import Batch, Fail, Release, StepPlan
+from tokenmill.engine.output import Output
+from tokenmill.engine.timing import StepClock, StepTiming
+from tokenmill.interfaces import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class StepExecution:
+    def __init__(self, batch: Batch, output: Output, release: Release, fail: Fail) -> None:
+        self.batch = batch
+        self.output = output
+        self.release = release
+        self.fail = fail
+        """The engine's own ``release`` and ``fail``, as the batch has them."""
+
+    def run(self, plan: StepPlan) -> StepTiming:
+        """Run ``plan`` (not empty) to its sampled tokens; its timing says whether it failed."""
+        clock = StepClock(plan.method, len(plan.prefill))
+        try:
+            out = self.forward(plan)
+        except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
+            log.exception("engine step failed")
+            isolated = self.isolate(plan)
+            if isolated is None:
+                self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
+            return clock.timing(ok=bool(isolated))
+        clock.forwarded()
+        self.sample(plan, out)
+        return clock.timing(ok=out.prefill_error is None)
+
+    def forward(self, plan: StepPlan) -> StepOutput:
+        return self.batch.runner.step(list(plan.prefill), list(plan.chunks),
+                                      [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
+
+    def isolate(self, plan: StepPlan) -> bool | None:
+        """After a failed step, where the backend can run any subset of it: run each prefill chunk
+        alone and the decoding sequences together, so that a failure pinned to one request (its
+        prompt, its prompt logits) fails only that request. True when some part ran (the step did
+        not fail as a whole), False when none did (each part failed its sequences); None when the
+        step cannot be split (nothing was done)."""
+        parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
+        if plan.decode:
+            parts.append(StepPlan((), (), plan.decode))
+        if not self.batch.runner.pausable or len(parts) < 2:
+            return None
+        ran = False
+        for part in parts:
+            try:
+                out = self.forward(part)
+            except Exception as error:  # noqa: BLE001 - this part's sequences fail
+                log.error("step part of sequences %s failed: %s: %s",
+                          [s.id for s in part.prefill + part.decode], type(error).__name__, error)
+                self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
+                continue
+            self.sample(part, out)
+            ran = True
+        return ran
+
+    def sample(self, plan: StepPlan, out: StepOutput) -> None:
+        """Sample the step's tokens from its logits and hand them to their sequences."""
+        if plan.decode:
+            assert out.decode_logits is not None
+            self.release(self.output.sample(list(plan.decode), out.decode_logits))
+        if out.prefill_error is not None:
+            error = out.prefill_error
+            log.error("prefill failed: %s: %s", type(error).__name__, error)
+            self.fail(list(plan.prefill), f"prefill failed: {type(error).__name__}: {error}")
+        elif plan.prefill:
+            assert out.prefill is not None
+            done, rows = self.batch.prefilled(plan, out.prefill)
+            if done:
+                self.release(self.output.sample(done, out.prefill.last_logits[rows]))
+
