@@ -121,3 +121,15 @@ def test_the_concurrency_place_is_taken_before_the_request_is_validated(server):
     assert chat.status_code == 429
     with server.client() as client:  # both places came back
         assert client.post("/generate", json={"inputs": "Hi", "parameters": {"temperature": -1}}).status_code == 422
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/generate", b'{"inputs": "\\ud800 lone", "parameters": {"max_new_tokens": 2}}'),
+    ("/v1/completions", b'{"prompt": "hi \\udfff", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}'),
+])
+def test_a_lone_surrogate_escape_is_a_422_not_a_crash(server, route, body):
+    """JSON may escape half of a UTF-16 pair; such a string is no Unicode text, and no tokenizer takes it."""
+    with server.client() as client:
+        answer = client.post(route, content=body, headers={"Content-Type": "application/json"})
+    assert "lone UTF-16 surrogate" in error_of(answer)

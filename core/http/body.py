@@ -36,22 +36,38 @@ async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
         raise ApiError(422, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "validation") from None
     except ValueError as error:
         raise ApiError(422, f"the request body is not valid JSON: {error}", "validation") from None
-    if nesting(body) > MAX_JSON_DEPTH:
-        raise ApiError(422, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "validation")
+    problem = body_problem(body)
+    if problem:
+        raise ApiError(422, f"the request body {problem}", "validation")
     return body
 
 
-def nesting(value: Any) -> int:
-    """How deep ``value`` nests lists and objects (without recursion: the check must not be what overflows)."""
-    deepest, stack = 0, [(value, 1)]
+def body_problem(value: Any) -> str | None:
+    """What makes a parsed body unusable although it is JSON: nesting deeper than :data:`MAX_JSON_DEPTH`,
+    or a lone UTF-16 surrogate (``"\\ud800"``), which is no Unicode text. Walked without recursion: the
+    check must not be what overflows."""
+    stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return "has a lone UTF-16 surrogate escape (not valid Unicode text)"
+            continue
         if isinstance(item, dict):
-            item = list(item.values())
+            item = [*item.keys(), *item.values()]
         if isinstance(item, list):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
-    return deepest
+            if depth + 1 > MAX_JSON_DEPTH:
+                return f"nests deeper than {MAX_JSON_DEPTH} levels"
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (str, dict, list)))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> Any:
