@@ -229,6 +229,16 @@ def test_completions_default_to_16_tokens_and_stream(client):
     ("tool_choice", {"type": "function", "function": "get_weather"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
+    # Found by .ci/fuzz (TGI's spec, and OpenAI, type or require each of these):
+    ("response_format", {"json_schema": {"name": "x", "schema": {}}}),  # no `type`: not read as "text"
+    ("response_format", {"type": "json_schema", "json_schema": {"name": {}, "schema": {}}}),
+    ("response_format", {"type": "regex", "value": 3}), ("model", {}), ("tool_prompt", {}), ("logit_bias", "x"),
+    ("seed", 2**64), ("seed", -(2**63) - 1),
+    ("tools", [{"function": {"name": "f"}}]),  # no `type`
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": False}}]),
+    ("tools", [{"type": "function", "function": {"name": "f", "description": {}}}]),
+    ("messages", [{"role": "user", "name": 5, "content": "Hi"}]), ("messages", [{"role": "user"}]),
+    ("messages", [*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]),
 ])
 def test_a_field_of_the_wrong_type_is_a_422_that_names_it(tiny_server, field, value):
     body = {"messages": QUESTION, "max_tokens": 2, field: value}
@@ -238,6 +248,35 @@ def test_a_field_of_the_wrong_type_is_a_422_that_names_it(tiny_server, field, va
         response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 422, response.text
     assert response.json()["error_type"] == "validation" and f"`{field}" in response.json()["error"]
+
+
+def test_a_completion_suffix_of_the_wrong_type_is_a_422(tiny_server):
+    with tiny_server.client() as http:
+        response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "suffix": {}})
+    assert response.status_code == 422 and "`suffix`" in response.json()["error"], response.text
+
+
+def test_tgi_forms_of_response_format_tools_and_logit_bias_are_taken(client):
+    """TGI's spec documents `response_format` as its `grammar` parameter, a tool's parameters as
+    `arguments`, and `logit_bias` as a list; OpenAI's map of `logit_bias` and negative seeds are taken too."""
+    text = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, seed=1,
+                                          response_format={"type": "json", "value": PERSON}).choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    reply = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=10, seed=-5,
+                                           response_format={"type": "regex", "value": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", reply.choices[0].message.content)
+    named = {"type": "json_schema", "value": {"name": "person", "schema": PERSON}}
+    text = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, seed=2,
+                                          response_format=named).choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    as_arguments = {"type": "function", "function": {"name": "get_weather",
+                                                     "arguments": WEATHER["function"]["parameters"]}}
+    (call,) = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, temperature=0,
+                                             tools=[as_arguments], tool_choice="required").choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    for bias in ({"42": -100}, [0.5]):
+        assert client.chat.completions.create(model="any", messages=QUESTION, max_tokens=2,
+                                              logit_bias=bias).usage.completion_tokens == 2
 
 
 def test_unknown_fields_are_ignored(client):

@@ -498,3 +498,29 @@ def test_a_client_that_stops_reading_pauses_its_sequence_while_others_are_served
               if line.startswith("data:")]
     assert len(events) == 200 and events[-1]["details"] is None and events[-1]["generated_text"], \
         "once the client read again, the stream ran to its end"
+
+
+def test_unknown_routes_and_methods_answer_with_tgi_error_body():
+    """Falcon's own 404 and 405 (no route, a method the route lacks) carry TGI's body, not Falcon's
+    ``{"title": ...}``; 405 keeps its Allow header. No model is needed: the app is not started."""
+    import asyncio
+
+    from tokenmill.config import parse_config
+    from tokenmill.http.app import create_app
+    from tokenmill.plugin_manager import build_plugin_manager
+
+    app = create_app(parse_config(["--model-id", "never-loaded"], env={}), build_plugin_manager(autoload=False))
+
+    async def requests() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return [await client.post("/invocations", json={"inputs": "Hi"}), await client.get("/nonexistent"),
+                    await client.get("/generate"), await client.delete("/v1/models")]
+
+    invocations, nonexistent, get_generate, delete_models = asyncio.run(requests())
+    for response, status, error_type in ((invocations, 404, "not_found"), (nonexistent, 404, "not_found"),
+                                         (get_generate, 405, "method_not_allowed"),
+                                         (delete_models, 405, "method_not_allowed")):
+        assert response.status_code == status and response.headers["content-type"].startswith("application/json")
+        assert set(response.json()) == {"error", "error_type"} and response.json()["error_type"] == error_type
+    assert "/invocations" in invocations.json()["error"]
+    assert get_generate.headers["allow"] == "POST, OPTIONS" and "GET" in get_generate.json()["error"]

@@ -60,13 +60,25 @@ class ErrorHandlers:
         resp.media = error.body()
         self.report(req, error.message, error.error_type)
 
+    async def http_error(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: falcon.HTTPError,
+                         params: Any) -> None:
+        """Falcon's own errors (no route for the path, a method the route lacks, ...) with TGI's body
+        too, in place of Falcon's ``{"title": ...}``; their headers (405's ``Allow``) are kept."""
+        resp.status = error.status
+        if error.headers:
+            resp.set_headers(error.headers)
+        if isinstance(error, falcon.HTTPNotFound):
+            message, error_type = f"no route for {req.method} {req.path}", "not_found"
+        elif isinstance(error, falcon.HTTPMethodNotAllowed):
+            message, error_type = f"{req.method} is not allowed on {req.path}", "method_not_allowed"
+        else:
+            message, error_type = error.title or str(error.status), "http"
+        message = error.description or message  # what a route (or a plugin's) that raised it says
+        resp.media = {"error": message, "error_type": error_type}
+        self.report(req, message, error_type)
+
     async def unexpected(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception,
                          params: Any) -> None:
-        if isinstance(error, falcon.HTTPError):
-            resp.status = error.status
-            resp.media = {"error": error.title or str(error.status), "error_type": "http"}
-            self.report(req, resp.media["error"], "http")
-            return
         log.exception("unhandled error on %s %s", req.method, req.path)
         resp.status = falcon.HTTP_500
         resp.media = {"error": f"internal error: {type(error).__name__}", "error_type": "internal"}
@@ -141,5 +153,6 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     errors = ErrorHandlers(state)
     app.add_error_handler(Exception, errors.unexpected)
     app.add_error_handler(ApiError, errors.api_error)
+    app.add_error_handler(falcon.HTTPError, errors.http_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)
     return DisconnectWatch(app, state)

@@ -15,18 +15,18 @@ class ValidationError(Exception):
     """Invalid input: answered with 422 and ``error_type`` ``validation``."""
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _is_integer(value: Any) -> bool:
-    return _is_number(value) and (isinstance(value, int) or value.is_integer())
+    return is_number(value) and (isinstance(value, int) or value.is_integer())
 
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], Any]]] = {
-    "number": ("a finite number", _is_number, float),
+    "number": ("a finite number", is_number, float),
     "integer": ("an integer", _is_integer, int),
     "boolean": ("a boolean", lambda v: isinstance(v, bool), bool),
     "string": ("a string", lambda v: isinstance(v, str), str),

@@ -60,9 +60,13 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in ROLES:
             raise ChatError(f"`{where}.role` must be one of {', '.join(ROLES)}; got {role!r}")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise ChatError(f"`{where}.name` must be a string")
+        calls = message.get("tool_calls")
+        if message.get("content") is None and calls is None:  # only an assistant's tool calls go without
+            raise ChatError(f"`{where}` must have `content` (or, from the assistant, `tool_calls`)")
         entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                  "content": message_text(message.get("content"), f"{where}.content")}
-        calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
                 raise ChatError(f"`{where}.tool_calls` must be a list, on an assistant message")
@@ -74,7 +78,10 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _history_call(call: Any, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str) or call.get("type") != "function":
+        raise ChatError(f'`{where}` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                        f'"arguments": ...}}}}')
+    function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ChatError(f"`{where}.function.name` must be a string")
     arguments = function.get("arguments", "{}")
@@ -83,7 +90,7 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
             arguments = json.loads(arguments or "{}")
         except ValueError:
             raise ChatError(f"`{where}.function.arguments` must be a JSON object text") from None
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 MAX_TOOLS = 128
@@ -101,15 +108,21 @@ def parse_tools(tools: Any) -> list[Tool]:
     parsed: list[Tool] = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise ChatError(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}')
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise ChatError(f"`tools[{i}].function.name` must be a non-empty string")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        # TGI reads a tool's parameters from `parameters` or, as its spec documents them, `arguments`.
+        parameters = function.get("parameters", function.get("arguments"))
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise ChatError(f"`tools[{i}].function.parameters` must be a JSON schema object")
-        parsed.append(Tool(name, str(function.get("description") or ""), parameters))
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ChatError(f"`tools[{i}].function.description` must be a string")
+        parsed.append(Tool(name, description or "", parameters))
     if len({t.name for t in parsed}) != len(parsed):
         raise ChatError("`tools`: function names must be unique")
     return parsed

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill import __version__
 from tokenmill.engine.sequence import FinalResult, GenerationRequest
-from tokenmill.http.fields import MISSING, ValidationError, typed_field
+from tokenmill.http.fields import MISSING, ValidationError, is_number, typed_field
 from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
@@ -69,6 +69,8 @@ def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) ->
             params["top_k"] = top_k
     seed = typed_field(body, "seed", "integer")
     if seed is not None:
+        if not -(2**63) <= seed < 2**64:
+            raise ValidationError(f"`seed` must be a 64-bit integer (signed or not), got {seed}")
         params["seed"] = seed % 2**64  # OpenAI takes any 64-bit integer
     for name, tgi_name in (("presence_penalty", "presence_penalty"), ("frequency_penalty", "occurrence_penalty"),
                            ("repetition_penalty", "repetition_penalty")):
@@ -90,6 +92,15 @@ def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) ->
     if body.get("cache_salt") is not None:  # a top-level field, as vLLM takes it
         params["cache_salt"] = body["cache_salt"]
     return params
+
+
+def _logit_bias(body: dict[str, Any]) -> None:
+    """``logit_bias`` is checked and not applied (as TGI leaves it unused): OpenAI's map of token id to
+    bias, or the list of biases TGI's spec says."""
+    bias = body.get("logit_bias")
+    values = bias.values() if isinstance(bias, dict) else bias if isinstance(bias, list) else None
+    if bias is not None and (values is None or not all(is_number(v) for v in values)):
+        raise ValidationError("`logit_bias` must be an object of token ids to numbers")
 
 
 def choice_count(body: dict[str, Any], limit: int, prompts: int = 1) -> int:
@@ -149,6 +160,8 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         raise ValidationError("the request body must be a JSON object with `messages`")
     stream = bool(typed_field(body, "stream", "boolean"))
     config = validator.config
+    typed_field(body, "tool_prompt", "string")  # TGI's lead-in to the tools: tokenmill writes its own
+    _logit_bias(body)
     try:
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body["tools"]) if body.get("tools") is not None else []
@@ -188,7 +201,7 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
 def named_adapter(validator: Validator, body: dict[str, Any]) -> str | None:
     """The LoRA adapter that ``model`` names, else None: any other name means the base model, as
     clients written for one model send whatever name they were configured with."""
-    return validator.served_adapter(body.get("model"))
+    return validator.served_adapter(typed_field(body, "model", "string"))
 
 
 def route(params: dict[str, Any], validator: Validator, body: dict[str, Any], priority: str | None) -> str | None:
@@ -208,6 +221,9 @@ def _response_format_grammar(validator: Validator, response_format: dict[str, An
     parameter, ``{"type": "json" | "regex" | "json_schema", "value": ...}``, as its spec documents
     ``response_format`` and huggingface_hub sends it)."""
     kind = response_format.get("type")
+    named = response_format.get("json_schema", response_format.get("value")) if kind == "json_schema" else None
+    if isinstance(named, dict) and named.get("name") is not None and not isinstance(named["name"], str):
+        raise ValidationError("`response_format`: the schema's `name` must be a string")
     if kind in ("json", "regex") or (kind == "json_schema" and "json_schema" not in response_format):
         try:
             return response_format, grammar_from_parameter(validator.grammars, response_format)
