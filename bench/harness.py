@@ -218,7 +218,8 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("scenario", nargs="?",
-                        choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora"],
+                        choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora",
+                                 "soak"],
                         default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
                         + "; grammar: the cost per token of a JSON-schema constraint, on the engine"
                         + "; quant: each quantizer's memory, speed and quality on SmolLM2, on the engine"
                         + "; shards: --num-shard 1 against 2, memory per rank and tokens/s"
-                        + "; lora: a batch mixing 4 LoRA adapters against the base model, on the engine")
+                        + "; lora: a batch mixing 4 LoRA adapters against the base model, on the engine"
+                        + "; soak: thousands of valid, invalid and rude requests on one server; its goals "
+                          "(no 5xx, every request answered, RSS flat, KV back) set the exit status")
     parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
     parser.add_argument("--setup-peers", action="store_true",
@@ -263,12 +266,12 @@ def main(argv: list[str] | None = None) -> None:
         from bench import lora
 
         return lora.main(rest)
-    if args.scenario in ("mixed", "multiturn"):
-        from bench import mixed, multiturn
+    if args.scenario in ("mixed", "multiturn", "soak"):
+        from bench import mixed, multiturn, soak
 
         raw = list(argv if argv is not None else sys.argv[1:])
         raw.remove(args.scenario)
-        own = mixed if args.scenario == "mixed" else multiturn
+        own = {"mixed": mixed, "multiturn": multiturn, "soak": soak}[args.scenario]
         return own.main(raw)  # its own flags (--no-write, --out) as it defines them
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

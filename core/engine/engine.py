@@ -28,9 +28,14 @@ from tokenmill.engine.stream import EventSink, EventStream
 from tokenmill.engine.surface import BackendSurface
 from tokenmill.engine.timing import StepTiming
 from tokenmill.interfaces import BackendRunner, SchedulerQueue
+from tokenmill.model.kv_memory import trim_heap
 from tokenmill.sampling import SamplingParams, new_seed, uses_sampling
 
 log = logging.getLogger(__name__)
+
+TRIM_SECONDS = 10.0
+"""How often a busy loop gives the C heap's free pages back to the system (``kv_memory.trim_heap``); an
+idle one does so once its work is done."""
 
 
 class Engine(BackendSurface):
@@ -242,9 +247,13 @@ class Engine(BackendSurface):
 
     def _loop(self) -> None:
         try:
+            trimmed = time.monotonic()
             while self.health.broken is None and self._wait_for_work():
                 try:
                     self.run_once()
+                    if not (self.batch_size or len(self.queue)) or time.monotonic() - trimmed > TRIM_SECONDS:
+                        trim_heap()  # a few milliseconds, between two steps or before the loop sleeps
+                        trimmed = time.monotonic()
                 except Exception:  # noqa: BLE001 - a step that fails must not end the loop
                     log.exception("engine step failed; failing the running batch and starting afresh")
                     self.fail(self.batch.holding, "internal error in the engine step")

@@ -57,6 +57,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                  on_chosen: Callable[[Chosen], None] | None = None) -> Started:
     """Choose the plugins, load the model, size KV memory, resolve the limits and warm up.
     The engine is returned ready but not started."""
+    kv_memory.bound_native_caches()
     if config.disable_custom_kernels:
         native_kernels.turn_off("--disable-custom-kernels")
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler,

@@ -44,13 +44,17 @@ class TokenStream:
     wakes a waiting reader with :class:`StreamClosed`.
     """
 
-    def __init__(self, paced: bool = True, on_sent: Callable[[], None] | None = None) -> None:
+    def __init__(self, paced: bool = True, on_sent: Callable[[], None] | None = None,
+                 on_error: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.paced = paced
         """False: the reader takes every event as it comes (a whole response), so its sequence never
         pauses for it; ``unsent`` is then 0."""
         self.on_sent = on_sent
         """Called when the reader has sent an event (``Engine.wake``: a sequence paused for it may go on)."""
+        self.on_error = on_error
+        """Called on the event loop as soon as an error event arrives, before the reader gets to it (which a
+        reader stuck writing to a client that reads nothing never does): the request's slot is given back."""
         self._queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
         self._pushed = 0
         """Written by the engine thread only."""
@@ -60,6 +64,8 @@ class TokenStream:
     def push(self, choice: int, event: Event) -> None:
         self._pushed += 1
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (choice, event))
+        if self.on_error is not None and getattr(event, "error_type", None) is not None:
+            self._loop.call_soon_threadsafe(self.on_error)
 
     def unsent(self) -> int:
         return self._pushed - self._sent if self.paced else 0

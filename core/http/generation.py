@@ -222,7 +222,7 @@ class Generation:
         try:
             engine = self.state.ready_engine()
             record = record_of(req)
-            stream = TokenStream(on_sent=engine.wake)
+            stream = TokenStream(on_sent=engine.wake, on_error=slot.release)
             jobs = await self.pin_adapter(slot, jobs)
             self.started(record, requests)
             for i, (request, seed) in enumerate(jobs):

@@ -63,3 +63,38 @@ def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> in
     log.info("KV pool: %d positions (%.0f MiB of %.0f MiB allowed)", min(tokens, ceiling),
              min(tokens, ceiling) * per_token / 2**20, budget / 2**20)
     return min(tokens, ceiling)
+
+
+ONEDNN_PRIMITIVE_CACHE = 256
+"""oneDNN's cache of compiled matmul kernels, one per shape (a step's token count): its default of 1024
+holds hundreds of MB once a server has seen that many step sizes; a quarter of it keeps the common ones."""
+
+
+def bound_native_caches() -> None:
+    """Cap oneDNN's kernel cache (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set): read when oneDNN first
+    runs, so call this before the model does."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the operating system (glibc's ``malloc_trim``); False where
+    there is no glibc. Tensors of ever-changing sizes (each step's batch) leave freed memory scattered
+    over malloc's arenas, which glibc keeps: without a trim now and then a server's resident memory
+    creeps up although nothing leaks."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    _libc.malloc_trim(0)
+    return True
+
+
+_libc: Any = None
