@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pluggy
@@ -97,3 +98,11 @@ class Collector:
     @property
     def done(self) -> bool:
         return self.final is not None or any(not isinstance(e, TokenEvent) for e in self.events)
+
+
+def wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` (an engine running in its own thread) until it holds, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

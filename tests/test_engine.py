@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral, wait_for
 
 import tokenmill
 from tokenmill.engine.sequence import ErrorEvent, SamplingParams
@@ -265,13 +263,6 @@ class FlakyRunner:
         if self.broken_release:
             raise RuntimeError("cannot free")
         return self.inner.release(seqs)
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_the_engine_thread_survives_a_failed_step_and_serves_the_next_request(tiny_model):

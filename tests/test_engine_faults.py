@@ -8,17 +8,10 @@ import threading
 import time
 
 import torch
-from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
+from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, wait_for
 
 from tokenmill.engine.sequence import ErrorEvent
 from tokenmill.engine.stream import CallbackStream
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def run_until_done(engine, sinks, max_steps: int = 500) -> None:
