@@ -32,6 +32,9 @@ class FaultyQueue:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.armed: set[str] = set()
+        """Calls that raise once."""
+        self.always: set[str] = set()
+        """Calls that raise every time."""
         self.greedy = False
 
     def __getattr__(self, name):
@@ -41,6 +44,8 @@ class FaultyQueue:
         return len(self.inner)
 
     def _fault(self, call: str) -> None:
+        if call in self.always:
+            raise RuntimeError(f"injected {call} fault, again")
         if call in self.armed:
             self.armed.discard(call)
             raise RuntimeError(f"injected {call} fault")
@@ -122,6 +127,23 @@ def test_a_sequence_a_requeue_fault_dropped_gets_an_error_and_the_batch_goes_on(
     assert outcomes == [False, True]
     served = first if not errors(first) else second
     assert served.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 6)
+
+
+def test_a_scheduler_that_fails_every_step_breaks_the_engine_even_while_others_decode(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True)
+    engine.queue = faulty = FaultyQueue(engine.queue)
+    engine.health.configure(max_failed_steps=3, step_timeout=None)
+    told: list[str] = []
+    engine.broken_observer = told.append
+    running = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 100), running)
+    engine.run_once()
+    faulty.always.add("admit")
+    for _ in range(3):  # the running sequence decodes fine each step; the scheduler fails each step
+        engine.run_once()
+    assert told and "3 engine steps in a row failed" in told[0]
+    assert "the engine is broken" in errors(running)[0]
 
 
 def test_a_drain_fault_at_shutdown_still_tells_every_request(tiny_model):

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pluggy
@@ -72,6 +73,8 @@ class Engine(BackendSurface):
         self._thread: threading.Thread | None = None
         self._idle = False
         """The last step had nothing to run although sequences were held or waiting."""
+        self._faults_seen = 0
+        """Scheduler faults already counted against a step."""
         self._published: tuple[tuple[Sequence, ...], ...] = ((), (), ())
 
     # ---- called from the HTTP side ----
@@ -195,15 +198,18 @@ class Engine(BackendSurface):
     def step(self) -> None:
         """One engine step: plan it, run it in one backend call, sample and emit its tokens. A
         sequence whose prompt completes samples its first token now and decodes from the next step."""
-        faults = self.batch.scheduler.faults
         plan = self.batch.plan()
-        if self.batch.scheduler.faults != faults:
+        faulted = self.batch.scheduler.faults != self._faults_seen  # since the last step, queueing included
+        self._faults_seen = self.batch.scheduler.faults
+        if faulted:
             self.end_orphans("the scheduler failed")
-            self.health.step_ended(ok=False)
         self._idle = plan.empty and bool(self.batch_size or len(self.queue))
         if plan.empty:
+            if faulted:
+                self.health.step_ended(ok=False)
             return
-        self.observe_step(self.execution.run(plan))
+        timing = self.execution.run(plan)
+        self.observe_step(replace(timing, ok=timing.ok and not faulted))  # a step the scheduler failed in failed
 
     def end_orphans(self, why: str) -> None:
         """End with an error every live sequence that is neither in the batch nor waiting (after a
@@ -231,14 +237,11 @@ class Engine(BackendSurface):
 
     def _take_inbox(self) -> None:
         incoming, cancelled, resets = self.inbox.take()
-        added = self.batch.scheduler.faults
         for seq in incoming:
             if not seq.cancelled:
                 self.live.add(seq)
                 if not self.batch.scheduler.add(seq):
                     self.fail([seq], "the scheduler failed; the request could not be queued")
-        if self.batch.scheduler.faults != added:
-            self.health.step_ended(ok=False)
         for seq in cancelled:  # waiting or running: its KV memory is freed now
             self.batch.scheduler.remove(seq)
         self.release(cancelled)
