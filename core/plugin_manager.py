@@ -212,8 +212,21 @@ def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
             return implementation
     broken = getattr(pm, "problems", {})
     hint = "; ".join(f"plugin {plugin}: {why}" for plugin, why in broken.items())
-    raise PluginError(f"unknown {flag} {name!r} (choices: {names})"
+    raise PluginError(f"unknown {flag} {name!r} (choices: {names})" + missing_package_hint(kind, name)
                       + (f"; left out or failing: {hint}" if hint else ""))
+
+
+KNOWN_PACKAGES = {("backend", "vllm"): "tokenmill-vllm"}
+"""Plugins that live in packages of their own: naming one without its package says which to install."""
+
+
+def missing_package_hint(kind: str, name: str) -> str:
+    """``; install ...`` for a plugin that a known package would bring, else nothing."""
+    package = KNOWN_PACKAGES.get((kind, name))
+    if package is None:
+        return ""
+    return (f"; --{kind} {name} comes with the {package} package: pip install {package} "
+            f"(its source is plugins/packages/{package} in tokenmill's repository)")
 
 
 @dataclass(frozen=True)

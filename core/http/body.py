@@ -25,6 +25,16 @@ class ApiError(Exception):
 
 
 async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
+    """The request's JSON body, checked; read once (a route that dispatches on the body, as SageMaker's
+    /invocations does, leaves it in ``req.context`` for the route it hands over to)."""
+    if "json_body" in req.context:
+        return req.context["json_body"]
+    body = await _read_json(req, limit)
+    req.context["json_body"] = body
+    return body
+
+
+async def _read_json(req: falcon.asgi.Request, limit: int) -> Any:
     if req.content_length is not None and req.content_length > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
     raw = await req.stream.read(limit + 1)

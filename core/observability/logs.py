@@ -1,4 +1,5 @@
-"""Logging: plain lines, or JSON lines with ``--json-output`` (gunicorn's own loggers included).
+"""Logging: plain lines, or JSON lines with ``--json-output`` or ``LOG_FORMAT=json`` (gunicorn's own
+loggers included), at the levels ``LOG_LEVEL`` sets (TGI's form: ``info``, or ``warn,tokenmill=debug``).
 
 Every line written while a request is handled carries its id (``request_id`` in JSON). A record
 may carry structured ``fields`` (``extra={"fields": {...}}``), which JSON lines include whole.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -59,21 +62,59 @@ class PlainFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(json_output: bool) -> None:
+LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+          "warning": logging.WARNING, "error": logging.ERROR, "off": logging.CRITICAL + 1}
+"""``LOG_LEVEL``'s words (Rust's tracing levels, as TGI takes them) and Python's levels for them."""
+
+
+class LogLevelError(ValueError):
+    """A ``LOG_LEVEL`` that cannot be read; the message says which part."""
+
+
+def log_levels(spec: str | None) -> dict[str, int]:
+    """``LOG_LEVEL`` read as TGI's filter: comma-separated ``level`` (every logger) or ``target=level``
+    (that logger and its children; Rust's ``a::b`` is Python's ``a.b``). The root logger is ``""``;
+    info when the spec gives none."""
+    levels = {"": logging.INFO}
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        target, _, word = item.rpartition("=")
+        level = LEVELS.get(word.strip().lower())
+        if level is None:
+            raise LogLevelError(f"LOG_LEVEL: {item!r} names no level (levels: {', '.join(LEVELS)})")
+        levels[target.strip().replace("::", ".")] = level
+    return levels
+
+
+def wants_json(json_output: bool, env: Mapping[str, str] | None = None) -> bool:
+    """JSON lines with ``--json-output`` or ``LOG_FORMAT=json``."""
+    env = os.environ if env is None else env
+    return json_output or env.get("LOG_FORMAT", "").strip().lower() == "json"
+
+
+def setup_logging(json_output: bool, env: Mapping[str, str] | None = None) -> None:
+    """Configure the root logger for ``--json-output`` / ``LOG_FORMAT`` and ``LOG_LEVEL`` (raises
+    LogLevelError)."""
+    env = os.environ if env is None else env
+    levels = log_levels(env.get("LOG_LEVEL"))
     handler = logging.StreamHandler()
-    if json_output:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(PlainFormatter())
+    handler.setFormatter(JsonFormatter() if wants_json(json_output, env) else PlainFormatter())
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    for target, level in levels.items():
+        logging.getLogger(target or None).setLevel(level)
 
 
-def gunicorn_logconfig(json_output: bool) -> dict[str, Any]:
-    """A ``logconfig_dict`` that sends gunicorn's loggers through the same format as ours."""
-    formatter: dict[str, Any] = {"()": JsonFormatter if json_output else PlainFormatter}
+def gunicorn_logconfig(json_output: bool, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A ``logconfig_dict`` that sends gunicorn's loggers through the same format and levels as ours."""
+    env = os.environ if env is None else env
+    formatter: dict[str, Any] = {"()": JsonFormatter if wants_json(json_output, env) else PlainFormatter}
+    levels = log_levels(env.get("LOG_LEVEL"))
+    root_level = logging.getLevelName(levels.pop(""))
+    targets = {target: {"level": logging.getLevelName(level)} for target, level in levels.items()}
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -82,9 +123,10 @@ def gunicorn_logconfig(json_output: bool) -> dict[str, Any]:
         "handlers": {
             "console": {"class": "logging.StreamHandler", "formatter": "tokenmill", "filters": ["request_id"]},
         },
-        "root": {"level": "INFO", "handlers": ["console"]},
+        "root": {"level": root_level, "handlers": ["console"]},
         "loggers": {
-            "gunicorn.error": {"level": "INFO", "handlers": [], "propagate": True},
-            "gunicorn.access": {"level": "INFO", "handlers": [], "propagate": True},
+            "gunicorn.error": {"level": root_level, "handlers": [], "propagate": True},
+            "gunicorn.access": {"level": root_level, "handlers": [], "propagate": True},
+            **targets,
         },
     }

@@ -38,11 +38,17 @@ def _llguidance() -> Any:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer. The tokenizer's token table is built on first use (~0.3 s)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, disabled: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.disabled = disabled
+        """Why this server compiles no grammar (``--disable-grammar-support``); None: it does."""
         self._ll_tokenizer: Any = None
         self._lock = threading.Lock()
+
+    def _require_enabled(self) -> None:
+        if self.disabled:
+            raise GrammarError(self.disabled)
 
     def ll_tokenizer(self) -> Any:
         with self._lock:
@@ -53,6 +59,7 @@ class GrammarCompiler:
 
     def json_schema(self, schema: Any) -> Grammar:
         """A grammar for JSON documents valid against ``schema`` (a dict, or its JSON text)."""
+        self._require_enabled()
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -69,10 +76,12 @@ class GrammarCompiler:
 
     def regex(self, pattern: str) -> Grammar:
         """A grammar for text that matches ``pattern`` as a whole."""
+        self._require_enabled()
         return self._checked("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
 
     def lark(self, source: str) -> Grammar:
         """A grammar in llguidance's Lark dialect (``%json {...}`` embeds a JSON schema)."""
+        self._require_enabled()
         return self._checked("lark", source)
 
     def _checked(self, kind: str, source: str) -> Grammar:

@@ -1,0 +1,69 @@
+"""Routes that platforms built around TGI and vLLM call: TGI's ``GET /`` health check, SageMaker's
+``GET /ping`` and ``POST /invocations``, and vLLM's ``GET /version``.
+
+``/invocations`` takes any of TGI's request bodies, as TGI's SageMaker route does: a chat request
+(``messages``) goes to /v1/chat/completions, a completion (``prompt``) to /v1/completions, anything
+else to TGI's ``POST /``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon.asgi
+
+from tokenmill import __version__
+from tokenmill.http.body import read_json
+from tokenmill.http.ops import HealthRoute
+from tokenmill.http.state import ServerState
+
+
+class RootRoute:
+    """``/``: ``GET`` is TGI's health check (as /health), ``POST`` its compat generate route."""
+
+    def __init__(self, health: HealthRoute, generate: Any) -> None:
+        self.health = health
+        self.generate = generate
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        await self.health.on_get(req, resp)
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        await self.generate.on_post(req, resp)
+
+
+class PingRoute:
+    """SageMaker's health check: 200 once the model serves, 503 before and while draining."""
+
+    def __init__(self, health: HealthRoute) -> None:
+        self.health = health
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        await self.health.on_get(req, resp)
+
+
+class InvocationsRoute:
+    """SageMaker's inference route: the body's shape picks the route that answers it."""
+
+    def __init__(self, state: ServerState, chat: Any, completions: Any, generate: Any) -> None:
+        self.state = state
+        self.chat = chat
+        self.completions = completions
+        self.generate = generate
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        self.state.ready_engine()
+        body = await read_json(req, self.state.config.payload_limit)
+        route = self.generate
+        if isinstance(body, dict) and "messages" in body:
+            route = self.chat
+        elif isinstance(body, dict) and "prompt" in body and "inputs" not in body:
+            route = self.completions
+        await route.on_post(req, resp)
+
+
+class VersionRoute:
+    """vLLM's ``GET /version``."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.media = {"version": __version__}

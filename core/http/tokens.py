@@ -1,0 +1,106 @@
+"""The tokenizer's routes beyond TGI's /tokenize: TGI's ``POST /chat_tokenize`` (a chat request
+templated and tokenized exactly as /v1/chat/completions would run it), and vLLM's ``POST
+/detokenize`` and ``GET /tokenizer_info``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import falcon.asgi
+
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.fields import ValidationError
+from tokenmill.http.openai import parse_chat, served_model
+from tokenmill.http.state import ServerState
+from tokenmill.http.validation import Validator
+
+
+def serving_validator(state: ServerState) -> Validator:
+    """A validator for settings only (its tokenizer is a worker's: tokenize on a worker)."""
+    state.ready_engine()
+    validator = state.workers.first
+    assert validator is not None  # set before the engine is ready
+    return validator
+
+
+def token_spans(validator: Validator, text: str) -> list[dict[str, Any]]:
+    """TGI's tokenize response for ``text``: each token's id, text and character span. A rendered chat
+    prompt already holds its special tokens, so none are added."""
+    encoding = validator.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [{"id": token_id, "text": text[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
+
+class ChatTokenizeRoute:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        state = self.state
+        validator = serving_validator(state)
+        body = await read_json(req, state.config.payload_limit)
+        if not getattr(validator.tokenizer, "is_fast", False):
+            raise ApiError(404, "No fast tokenizer available", "tokenizer")
+
+        def tokenize(validator: Validator) -> dict[str, Any]:
+            job = parse_chat(validator, body, served_model(state), None)
+            templated = job.requests[0].inputs
+            return {"tokenize_response": token_spans(validator, templated), "templated_text": templated}
+
+        try:
+            resp.media = await state.workers.validate(tokenize)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
+
+
+def token_ids(body: Any, vocab_size: int) -> list[int]:
+    """The ``tokens`` of a detokenize request: a list of ids the model has."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError(422, "`tokens` must be a list of token ids (integers)", "validation")
+    beyond = [t for t in tokens if not 0 <= t < vocab_size]
+    if beyond:
+        raise ApiError(422, f"`tokens`: {beyond[0]} is not a token id of this model (0 to {vocab_size - 1})",
+                       "validation")
+    return tokens
+
+
+class DetokenizeRoute:
+    """vLLM's ``{"tokens": [...]}`` → ``{"prompt": text}`` (special tokens kept, as vLLM decodes)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        state = self.state
+        vocab_size = serving_validator(state).vocab_size
+        body = await read_json(req, state.config.payload_limit)
+        tokens = token_ids(body, vocab_size)
+        text = await state.workers.validate(lambda validator: validator.tokenizer.decode(tokens))
+        resp.media = {"prompt": text}
+
+
+def tokenizer_config(tokenizer: Any) -> dict[str, Any]:
+    """What the tokenizer was built from (its tokenizer_config.json's settings), as JSON, with its class."""
+    info: dict[str, Any] = {}
+    for name, value in getattr(tokenizer, "init_kwargs", {}).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            value = str(value)
+        info[name] = value
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length", "chat_template"):
+        if info.get(name) is None and getattr(tokenizer, name, None) is not None:
+            info[name] = getattr(tokenizer, name)
+    return {**info, "tokenizer_class": type(tokenizer).__name__}
+
+
+class TokenizerInfoRoute:
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.media = tokenizer_config(serving_validator(self.state).tokenizer)
