@@ -140,3 +140,44 @@ def test_incremental_detokenizer_never_emits_broken_utf8(tiny_model):
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert any(piece == "" for piece in pieces), "some tokens end inside a character and wait"
+
+
+def test_min_p_keeps_only_tokens_near_the_best_and_one_keeps_only_the_best():
+    # LOGITS' probabilities fall by a factor e per token: 0.3 of the best keeps 0 and 1 (1/e ≈ 0.37).
+    assert kept(warp(LOGITS, SamplingParams(min_p=0.3))) == [0, 1]
+    assert kept(warp(LOGITS, SamplingParams(min_p=1.0))) == [0]
+    tied = torch.tensor([2.0, 2.0, 1.0])
+    assert kept(warp(tied, SamplingParams(min_p=1.0))) == [0, 1]
+    assert kept(warp(LOGITS, SamplingParams(min_p=0.3, temperature=5.0))) == [0, 1, 2, 3, 4, 5]
+
+
+def test_min_p_alone_leaves_a_request_greedy():
+    assert not uses_sampling(SamplingParams(min_p=0.5))
+
+
+def test_logit_bias_is_added_before_greedy_and_sampled_choices():
+    forced = SamplingParams(logit_bias=((5, 100.0),))
+    assert SequenceSampler(forced, None, [], 0).choose([], LOGITS).token_id == 5
+    banned = SamplingParams(logit_bias=((0, -100.0),))
+    assert SequenceSampler(banned, None, [], 0).choose([], LOGITS).token_id == 1
+    sampled = SequenceSampler(SamplingParams(do_sample=True, logit_bias=((4, 100.0),)), 3, [], 0)
+    assert {sampled.choose([], LOGITS).token_id for _ in range(50)} == {4}
+    logits = LOGITS.clone()
+    SequenceSampler(forced, None, [], 0).choose([], logits)
+    assert torch.equal(logits, LOGITS)  # the batch's logits are never changed in place
+
+
+def test_min_tokens_holds_back_the_end_tokens_for_that_many_choices():
+    sampler = SequenceSampler(SamplingParams(), None, [], 0, min_tokens=2, end_ids=frozenset({0, 3}))
+    assert [sampler.choose([], LOGITS).token_id for _ in range(3)] == [1, 1, 0]
+    assert SequenceSampler(SamplingParams(), None, [], 0, end_ids=frozenset({0})).choose([], LOGITS).token_id == 0
+
+
+def test_min_tokens_yields_when_a_grammar_allows_only_an_end_token():
+    class OnlyZero(ForbidZero):
+        def allowed(self) -> torch.Tensor:
+            return torch.tensor([True] + [False] * 5)
+
+    sampler = SequenceSampler(SamplingParams(), None, [], 0, matcher=OnlyZero(), min_tokens=5,
+                              end_ids=frozenset({0}))
+    assert sampler.choose([], LOGITS).token_id == 0

@@ -158,11 +158,17 @@ class Output:
         return reason is not None
 
     def finish_reason(self, seq: Sequence, token_id: int, new_text: str) -> str | None:
-        if len(seq.generated_ids) >= seq.request.max_new_tokens:
+        """The length limit first; before ``min_tokens`` nothing else ends it (vLLM's rule: the stop
+        matcher still reads the text, so a stop sequence that ends later is found)."""
+        request = seq.request
+        if len(seq.generated_ids) >= request.max_new_tokens:
             return FINISH_LENGTH
-        if token_id in self.eos_ids:
+        stopped = bool(request.stop) and seq.state.stops.feed(new_text)
+        if len(seq.generated_ids) < request.min_tokens:
+            return None
+        if token_id in self.eos_ids and not request.ignore_eos:
             return FINISH_EOS
-        if seq.request.stop and seq.state.stops.feed(new_text):
+        if stopped or token_id in request.stop_token_ids:
             return FINISH_STOP
         return None
 

@@ -48,6 +48,12 @@ class GenerationRequest:
     cache_salt: str | None = None
     """Only requests with the same salt share cached prompt blocks (so one tenant's timings tell
     nothing of another's prompts)."""
+    min_tokens: int = 0
+    """vLLM's: no EOS, stop token id or stop sequence ends it before this many tokens (the length limit still does)."""
+    ignore_eos: bool = False
+    """vLLM's: the model's end-of-sequence tokens do not end it (they are kept in its output)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """vLLM's: generating one of these ends it, as a stop sequence would."""
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import Config
 from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
-from tokenmill.http.fields import MISSING, ValidationError, typed_field
+from tokenmill.http.fields import MISSING, ValidationError, is_number, typed_field
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
 
@@ -46,7 +47,44 @@ def compat_stream(body: dict[str, Any]) -> bool:
     return stream
 
 
-def sampling_params(params: dict[str, Any]) -> SamplingParams:
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a token's bias either way (100 all but forces the token, -100 bans it)."""
+
+
+def logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` map (token id, as a string, to a bias in [-100, 100]) as sorted pairs;
+    a token named twice ("5" and "05") keeps its last bias."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValidationError(f"`logit_bias` must be an object of token ids to biases, got {value!r}")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and re.fullmatch("[0-9]{1,12}", key) else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            limit = f" below {vocab_size}" if vocab_size is not None else ""
+            raise ValidationError(f"`logit_bias` keys must be token ids{limit}, got {key!r}")
+        if not is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValidationError(f"`logit_bias` values must be numbers between -100 and 100, got {bias!r} "
+                                  f"for token {token}")
+        biases[token] = float(bias)
+    return tuple(sorted(biases.items()))
+
+
+def stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: a list of token ids of this model."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ValidationError(f"`stop_token_ids` must be a list of integers, got {value!r}")
+    if any(not 0 <= i < vocab_size for i in value):
+        raise ValidationError(f"`stop_token_ids` must be token ids >= 0 and < {vocab_size}, got {value!r}")
+    return tuple(dict.fromkeys(value))
+
+
+def sampling_params(params: dict[str, Any], vocab_size: int | None = None) -> SamplingParams:
+    """TGI's sampling parameters checked, with vLLM's ``min_p`` and OpenAI's ``logit_bias`` (whose
+    token ids are checked against ``vocab_size`` when given)."""
     temperature = typed_field(params, "temperature", "number")
     if temperature is not None and temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
@@ -73,6 +111,9 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
     for name, value in (("presence_penalty", presence_penalty), ("occurrence_penalty", occurrence_penalty)):
         if value is not None and not -2.0 <= value <= 2.0:
             raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
+    min_p = typed_field(params, "min_p", "number")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValidationError("`min_p` must be >= 0.0 and <= 1.0")
     return SamplingParams(
         do_sample=typed_field(params, "do_sample", "boolean", False),
         temperature=temperature,
@@ -85,6 +126,8 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
         occurrence_penalty=occurrence_penalty,
         seed=seed,
         watermark=typed_field(params, "watermark", "boolean", False),
+        min_p=min_p or None,
+        logit_bias=logit_bias(params.get("logit_bias"), vocab_size),
     )
 
 
@@ -146,7 +189,7 @@ def validate_generate(
     grammar: Grammar | None = None,
 ) -> GenerationRequest:
     assert config.max_input_tokens is not None and config.max_total_tokens is not None
-    sampling = sampling_params(params)
+    sampling = sampling_params(params, vocab_size)
 
     best_of = typed_field(params, "best_of", "integer")
     if best_of is not None:
@@ -224,6 +267,10 @@ def validate_generate(
             f"`inputs` tokens + `max_new_tokens` must be <= {config.max_total_tokens}. "
             f"Given: {len(input_ids)} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
         )
+    min_tokens = typed_field(params, "min_tokens", "integer", 0)
+    if not 0 <= min_tokens <= max_new_tokens:
+        raise ValidationError(f"`min_tokens` must be >= 0 and <= the tokens asked for (`max_new_tokens`, "
+                              f"OpenAI's `max_tokens`): {max_new_tokens}. Given: {min_tokens}")
 
     return GenerationRequest(
         inputs=inputs,
@@ -241,4 +288,7 @@ def validate_generate(
         # The salt keeps tenants apart: it stays out of what hooks and the request log see.
         parameters={name: value for name, value in params.items() if name != "cache_salt"},
         cache_salt=cache_salt,
+        min_tokens=min_tokens,
+        ignore_eos=typed_field(params, "ignore_eos", "boolean", False),
+        stop_token_ids=stop_token_ids(params.get("stop_token_ids"), vocab_size),
     )

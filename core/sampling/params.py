@@ -22,10 +22,15 @@ class SamplingParams:
     seed: int | None = None
     watermark: bool = False
     """Bias each step towards a green list seeded by the previous token (``--watermark-gamma``/``-delta``)."""
+    min_p: float | None = None
+    """vLLM's: when sampling, drop tokens less likely than ``min_p`` times the likeliest one."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's (token id, bias) pairs, added to the logits before any choice, greedy or sampled."""
 
 
 def uses_sampling(params: SamplingParams) -> bool:
-    """Sampling is on when asked for, or implied by any warper (as in TGI)."""
+    """Sampling is on when asked for, or implied by any warper (as in TGI). ``min_p`` is not one: as
+    in vLLM it only narrows a choice that is sampled already, so alone it leaves a request greedy."""
     return (
         params.do_sample
         or (params.temperature is not None and params.temperature != 1.0)

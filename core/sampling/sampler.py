@@ -1,9 +1,10 @@
 """Turning logits into tokens: penalties, plugin processors, warpers, and the choice.
 
 The order follows TGI: repetition penalty, frequency penalty (and OpenAI's presence
-and frequency penalties), the request's processors (watermark, plugins), the grammar
-mask, then (when sampling) temperature, top-k, top-p and typical-p; greedy takes the
-argmax. Log-probabilities are those of the processed distribution.
+and frequency penalties), OpenAI's logit bias, the request's processors (watermark, plugins),
+the grammar mask, the tokens held back until ``min_tokens`` (vLLM's rule), then (when sampling)
+temperature, min-p, top-k, top-p and typical-p; greedy takes the argmax. Log-probabilities
+are those of the processed distribution.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class SequenceSampler:
 
     def __init__(
         self, params: SamplingParams, seed: int | None, processors: list[LogitsProcessor], top_n: int,
-        matcher: TokenMatcher | None = None, prompt_len: int = 0,
+        matcher: TokenMatcher | None = None, prompt_len: int = 0, min_tokens: int = 0,
+        end_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.params = params
         self.sampling = uses_sampling(params)
@@ -56,6 +58,13 @@ class SequenceSampler:
             or params.presence_penalty or params.occurrence_penalty
         )
         """Whether ``process`` reads the token history (else callers may pass an empty list)."""
+        self.min_tokens = min_tokens
+        """Until this many tokens are chosen, none of ``end_ids`` (EOS, stop token ids) may be."""
+        self.end_ids = torch.tensor(sorted(end_ids), dtype=torch.long) if min_tokens and end_ids else None
+        self.chosen = 0
+        """Tokens chosen so far (the sampler lives as long as its sequence, preemptions included)."""
+        self.bias_ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long)
+        self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
         self.top_n = top_n
         self.generator: torch.Generator | None = None
         if self.sampling:
@@ -83,10 +92,16 @@ class SequenceSampler:
                 scores = scores - p.frequency_penalty * counts / len(token_ids)
         if p.presence_penalty or p.occurrence_penalty:
             scores = self._openai_penalties(token_ids[self.prompt_len:], scores)
+        if p.logit_bias:
+            scores = scores.index_add(0, self.bias_ids.to(scores.device), self.bias_values.to(scores.device))
         for processor in self.processors:
             scores = processor(token_ids, scores)
         if self.matcher is not None:
             scores = torch.where(self.matcher.allowed() if allowed is None else allowed, scores, -math.inf)
+        if self.end_ids is not None and self.chosen < self.min_tokens:
+            held = scores.index_fill(0, self.end_ids.to(scores.device), -math.inf)
+            if bool(torch.isfinite(held).any()):  # a grammar that can only end here still ends
+                scores = held
         if self.sampling:
             scores = warp(scores, p)
         return scores
@@ -115,6 +130,7 @@ class SequenceSampler:
             raise FloatingPointError(f"the chosen token's log-probability is {logprob} (non-finite logits)")
         if self.matcher is not None:
             self.matcher.accept(token_id)
+        self.chosen += 1
         return Choice(token_id, logprob, top_logprobs(logprobs, self.top_n))
 
 
@@ -126,11 +142,14 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
 
 
 def warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and typical-p truncation (removed tokens get -inf)."""
+    """Temperature, then min-p, top-k, top-p and typical-p truncation (removed tokens get -inf)."""
     if p.temperature is not None and p.temperature != 1.0:
         # Relative to the best score and in float64 (the same softmax): no valid temperature, from
         # 5e-324 (0 in float32) to 1e308, overflows the scores into inf - inf or 0 / 0 (NaN).
         scores = ((scores.double() - scores.max()) / p.temperature).to(scores.dtype)
+    if p.min_p:
+        # p / p_max < min_p, compared as log-probability gaps: exact at min_p 1 (only the best stay).
+        scores = scores.masked_fill(scores - scores.max() < math.log(p.min_p), -math.inf)
     if p.top_k:
         k = min(p.top_k, scores.shape[-1])
         kth = torch.topk(scores, k).values[-1]

@@ -91,16 +91,29 @@ def sampling_parameters(body: dict[str, Any], default_max_tokens: int | None) ->
         params["watermark"] = True
     if body.get("cache_salt") is not None:  # a top-level field, as vLLM takes it
         params["cache_salt"] = body["cache_salt"]
+    bias = _logit_bias(body)
+    if bias:
+        params["logit_bias"] = bias
+    for name in VLLM_SAMPLING_FIELDS:  # TGI's validation reads them as they are, naming any that is wrong
+        if body.get(name) is not None:
+            params[name] = body[name]
     return params
 
 
-def _logit_bias(body: dict[str, Any]) -> None:
-    """``logit_bias`` is checked and not applied (as TGI leaves it unused): OpenAI's map of token id to
-    bias, or the list of biases TGI's spec says."""
+VLLM_SAMPLING_FIELDS = ("min_p", "min_tokens", "ignore_eos", "stop_token_ids")
+"""Extra body fields vLLM's OpenAI server takes, passed to TGI's parameters under the same names.
+``min_p`` does not turn sampling on: at ``temperature`` 0 it changes nothing, as in vLLM."""
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's map of token id to bias, to apply (validation checks its ids and bounds); the list of
+    biases TGI's spec also allows has no token ids, so it is checked and, as TGI does, left unused."""
     bias = body.get("logit_bias")
-    values = bias.values() if isinstance(bias, dict) else bias if isinstance(bias, list) else None
-    if bias is not None and (values is None or not all(is_number(v) for v in values)):
+    if isinstance(bias, dict):
+        return bias
+    if bias is not None and not (isinstance(bias, list) and all(is_number(v) for v in bias)):
         raise ValidationError("`logit_bias` must be an object of token ids to numbers")
+    return None
 
 
 def choice_count(body: dict[str, Any], limit: int, prompts: int = 1) -> int:
