@@ -134,8 +134,8 @@ class Engine(BackendSurface):
         """Why the engine can no longer serve, once it cannot."""
         return self.health.broken
 
-    def kv_usage(self) -> dict[str, Any]:  # for /info and /metrics
-        return self.runner.kv_usage()
+    def kv_usage(self) -> dict[str, Any]:  # for /metrics: the runner's, and the KV positions held at the last step
+        return {"tokens_held": sum(s.num_computed for seqs in self._published for s in seqs), **self.runner.kv_usage()}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)

@@ -78,6 +78,8 @@ class TokenEvent:
     held: int = 0
     """Characters at the end of the text so far that could begin a stop sequence (a stream that
     leaves stop sequences out of its text holds them back)."""
+    emitted_at: float = field(default_factory=time.monotonic)
+    """When the engine made it (monotonic clock): what time to first token and inter-token latency read."""
 
 
 @dataclass
@@ -204,4 +206,5 @@ def queue_entry(seq: Sequence, state: str, now: float) -> dict[str, Any]:
             "generated_tokens": len(seq.generated_ids), "max_new_tokens": seq.request.max_new_tokens,
             "waited_seconds": round(max(0.0, started - seq.arrived_at), 3),
             "unsent_tokens": seq.stream.unsent(), "cached_tokens": seq.cached_tokens,
+            "adapter_id": seq.request.adapter_id,
             "preempted": seq.admitted_at is not None and state == "waiting"}

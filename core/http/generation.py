@@ -113,7 +113,8 @@ class Generation:
         for seq, stream in zip(seqs, streams):
             on_disconnect(req, cancel_on_disconnect(engine, seq, stream))
         watcher = asyncio.create_task(watch_receive(req))
-        waiters = [asyncio.ensure_future(self.wait_final(stream)) for stream in streams]
+        record = record_of(req)
+        waiters = [asyncio.ensure_future(self.wait_final(stream, record, i)) for i, stream in enumerate(streams)]
         try:
             return list(await asyncio.gather(*waiters))
         except BaseException:
@@ -124,9 +125,9 @@ class Generation:
         finally:
             watcher.cancel()
 
-    @staticmethod
-    async def wait_final(stream: TokenStream) -> FinalResult:
-        """The final result of the one sequence written into ``stream``."""
+    async def wait_final(self, stream: TokenStream, record: RequestRecord, sequence: int) -> FinalResult:
+        """The final result of the one sequence written into ``stream``, the request's ``sequence``-th;
+        its tokens are timed as they come."""
         while True:
             try:
                 _, event = await stream.next()
@@ -134,6 +135,7 @@ class Generation:
                 raise ApiError(499, "client disconnected", "cancelled") from None
             if isinstance(event, ErrorEvent):
                 raise ApiError(424 if event.error_type == "generation" else 503, event.message, event.error_type)
+            self.state.telemetry.token_arrived(record, sequence, event.emitted_at)
             if event.final is not None:
                 return event.final
 
@@ -256,6 +258,7 @@ class Generation:
                     error = event  # before yielding: the reader may stop at it
                     yield index, event
                     return
+                self.state.telemetry.token_arrived(run.record, index, event.emitted_at)
                 yield index, event
                 run.stream.sent()  # asked for the next one: this one has been sent
                 if event.final is not None:

@@ -50,6 +50,7 @@ class RequestContext:
         if route is None:
             return
         record = request_scope(req).record = RequestRecord(request_id, route, time.time_ns())
+        record.traceparent, record.tracestate = req.get_header("traceparent"), req.get_header("tracestate")
         self.telemetry.request_arrived(record)
         if self.draining():
             raise ApiError(503, "the server is shutting down", "unhealthy")

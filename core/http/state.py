@@ -227,6 +227,9 @@ class ServerState:
             "suspensions": engine.suspensions,
             "prefix_cache": {"queried_tokens": engine.batch.prefix_queried_tokens,
                              "hit_tokens": engine.batch.prefix_hit_tokens} if engine.batch.prefix_caching else None,
+            "max_batch_total_tokens": self.config.max_batch_total_tokens,
+            "adapters_running": {entry["adapter_id"] for entry in view["running"] if entry["adapter_id"]},
+            "adapters_waiting": {entry["adapter_id"] for entry in view["pending"] if entry["adapter_id"]},
         }
 
     def take_slot(self) -> Slot:

@@ -8,10 +8,11 @@ when Prometheus scrapes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,6 +34,19 @@ def duration_buckets() -> list[float]:
 def length_buckets(limit: int) -> list[float]:
     """TGI's token-count buckets: 100 even steps up to ``limit``."""
     return [limit / 100 * (i + 1) for i in range(100)]
+
+
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+                       3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Time to first token: a few milliseconds (a short prompt, an idle server) to minutes (a long queue)."""
+
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Between two tokens of a sequence: a decode step (ms) up to a stall behind long prefills or a slow reader."""
+
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+                   90.0, 120.0, 180.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+"""A whole request: a short answer (tens of ms) up to an hour-long generation."""
 
 
 FAILURE_LABELS = {"cancelled": "dropped"}
@@ -72,6 +86,18 @@ class Metrics:
         self.decode_duration = Histogram("tgi_batch_decode_duration", "seconds per engine step spent after the "
                                          "forward: sampling, stop checks, detokenizing", ["method"],
                                          buckets=seconds, registry=r)
+        self.time_to_first_token = Histogram(
+            "tokenmill_time_to_first_token_seconds", "seconds from a request's arrival to its first generated token "
+            "(validation, queue and prefill)", buckets=FIRST_TOKEN_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "tokenmill_inter_token_latency_seconds", "seconds between two consecutive tokens of one sequence",
+            buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("tokenmill_e2e_request_latency_seconds", "seconds from a successful request's "
+                                     "arrival to its last byte", buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "prompt tokens of the requests that got their "
+                                     "first token (their prompts were processed)", registry=r)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "tokens generated, every choice of every "
+                                         "request counted, as they are produced", registry=r)
         self.next_batch_size = Histogram("tgi_batch_next_size", "sequences joining the batch in a prefill step",
                                          buckets=[float(i + 1) for i in range(1024)], registry=r)
         self.input_length: Histogram | None = None
@@ -95,6 +121,18 @@ class Metrics:
     def request_arrived(self) -> None:
         self.counters.inc("tgi_request_count")
 
+    def first_token(self, record: RequestRecord) -> None:
+        """The request's first token came: its time to first token, and its prompt counted as processed."""
+        assert record.first_token_seconds is not None
+        self.time_to_first_token.observe(record.first_token_seconds)
+        self.prompt_tokens.inc(record.input_tokens)
+
+    def token_generated(self, gap_seconds: float | None) -> None:
+        """One more token; ``gap_seconds`` since its sequence's previous one (None for a sequence's first)."""
+        self.generation_tokens.inc()
+        if gap_seconds is not None:
+            self.inter_token_latency.observe(gap_seconds)
+
     def request_finished(self, record: RequestRecord) -> None:
         if not record.succeeded:
             err = record.error_type or "unknown"
@@ -102,6 +140,7 @@ class Metrics:
             return
         self.counters.inc("tgi_request_success")
         self.request_duration.observe(record.total_seconds)
+        self.e2e_latency.observe(record.total_seconds)
         self.validation_duration.observe(record.validation_seconds)
         self.queue_duration.observe(record.queue_seconds)
         self.inference_duration.observe(record.inference_seconds)
@@ -169,7 +208,8 @@ class LiveGauges(Collector):
     ``queue_size``, ``batch_size``, ``batch_max_tokens``, ``in_flight``, ``queue_by_class``
     ({class: waiting}), ``kv`` (the runner's ``kv_usage()``), ``lora`` (the adapter cache's
     ``usage()``, or None), ``preemptions``, ``suspensions``, ``prefix_cache`` (looked-up and found
-    tokens, or None without a prefix cache)."""
+    tokens, or None without a prefix cache), ``max_batch_total_tokens``, and ``adapters_running`` and
+    ``adapters_waiting`` (the LoRA adapters of the sequences in the batch and of those queued)."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
@@ -195,8 +235,14 @@ class LiveGauges(Collector):
             yield GaugeMetricFamily("tokenmill_kv_blocks_used", "KV blocks in use", value=kv["blocks_used"])
             yield GaugeMetricFamily("tokenmill_kv_blocks_free", "KV blocks free",
                                     value=kv["blocks_total"] - kv["blocks_used"])
+        yield GaugeMetricFamily("tokenmill_kv_cache_usage_ratio", "share of the KV cache in use, 0 to 1 (blocks "
+                                "used of all blocks; without blocks, tokens held of --max-batch-total-tokens)",
+                                value=kv_usage_ratio(kv, now.get("max_batch_total_tokens")))
         lora = now.get("lora")
+        yield lora_requests_info(lora["limit"] if lora is not None else 0, now.get("adapters_running", ()),
+                                 now.get("adapters_waiting", ()))
         if lora is not None:
+            # TGI's source exports no such gauge; kept because TGI's production guides alert on it.
             yield GaugeMetricFamily("tgi_lora_cache_size", "LoRA adapters in memory", value=len(lora["loaded"]))
             yield GaugeMetricFamily("tokenmill_lora_cache_bytes", "bytes of LoRA weights in memory",
                                     value=lora["bytes"])
@@ -221,6 +267,28 @@ class LiveGauges(Collector):
 
     def describe(self) -> Iterable[Metric]:
         return []
+
+
+def kv_usage_ratio(kv: dict[str, Any], max_batch_total_tokens: int | None) -> float:
+    """What share of the KV cache is in use: blocks used of all blocks for a block pool (cached
+    prefix blocks nobody holds count as free: they are evicted on demand); for a cache without
+    blocks, the tokens the batch holds of ``--max-batch-total-tokens``, which bounds that cache."""
+    if kv.get("blocks_total"):
+        return min(1.0, kv["blocks_used"] / kv["blocks_total"])
+    if max_batch_total_tokens and "tokens_held" in kv:
+        return min(1.0, kv["tokens_held"] / max_batch_total_tokens)
+    return 0.0
+
+
+def lora_requests_info(max_lora: int, running: Iterable[str], waiting: Iterable[str]) -> GaugeMetricFamily:
+    """The LoRA state as vLLM's ``vllm:lora_requests_info`` shows it, which the Gateway API Inference
+    Extension's endpoint picker reads for adapter affinity: comma-separated adapter names in labels,
+    the value the time of the scrape (the picker takes the newest series)."""
+    info = GaugeMetricFamily("tokenmill_lora_requests_info", "LoRA adapters of the running and of the waiting "
+                             "sequences, and how many adapters fit in memory; value: unix time of this reading",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(max_lora)], time.time())
+    return info
 
 
 def serve_metrics(metrics: Metrics, host: str, port: int) -> Any:

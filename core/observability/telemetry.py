@@ -43,6 +43,16 @@ class RequestRecord:
     """The request's parameters (never its prompt)."""
     inputs: str | None = None
     """The prompt, kept only with ``--log-prompts``."""
+    traceparent: str | None = None
+    """The caller's W3C ``traceparent`` header, which the request's trace continues (None: a new trace)."""
+    tracestate: str | None = None
+    """The caller's W3C ``tracestate`` header, handed on with the traceparent."""
+    first_token_seconds: float | None = None
+    """From arrival to the engine's first token of any of its sequences (None: no token came)."""
+    tokens_received: int = 0
+    """Tokens of all its sequences that reached the HTTP side (``n`` and ``best_of`` choices included)."""
+    last_token_at: dict[int, float] = field(default_factory=dict, repr=False)
+    """When each of its sequences (by index) last produced a token, on the monotonic clock."""
 
     finished: bool = False
     """Set once the record has been reported; a request is reported once."""
@@ -68,6 +78,18 @@ class Telemetry:
     def request_arrived(self, record: RequestRecord) -> None:
         self.open_requests += 1
         self.metrics.request_arrived()
+
+    def token_arrived(self, record: RequestRecord, sequence: int, emitted_at: float) -> None:
+        """A token of ``record``'s sequence number ``sequence``, made by the engine at ``emitted_at``
+        (monotonic), reached the HTTP side. Observed as it comes, so that a long generation shows in
+        the latency histograms and token counters while it runs, and no per-token list is kept."""
+        last = record.last_token_at.get(sequence)
+        record.last_token_at[sequence] = emitted_at
+        record.tokens_received += 1
+        if last is None and record.first_token_seconds is None:
+            record.first_token_seconds = max(0.0, emitted_at - record.started_monotonic)
+            self.metrics.first_token(record)
+        self.metrics.token_generated(None if last is None else max(0.0, emitted_at - last))
 
     def request_finished(self, record: RequestRecord) -> None:
         """Report ``record`` once (later calls for the same request do nothing)."""
@@ -103,6 +125,8 @@ def log_request(record: RequestRecord) -> None:
         "generated_tokens": record.generated_tokens,
         "parameters": record.parameters,
     }
+    if record.first_token_seconds is not None:
+        fields["time_to_first_token"] = round(record.first_token_seconds, 6)
     if record.inputs is not None:
         fields["inputs"] = record.inputs
     if record.succeeded:

@@ -4,7 +4,9 @@ OTLP/HTTP collector as protobuf.
 The OpenTelemetry packages are the ``otlp`` extra, so they are imported only inside :meth:`Tracing.start`
 and never when this module is imported. Each request becomes a root span named after its route (as TGI's
 router names them: ``generate``, ``generate_stream``, ``chat_completions``, ``completions``) with the
-children ``validation``, ``queue`` and ``inference`` laid end to end from the request's arrival. Spans are
+children ``validation``, ``queue`` and ``inference`` laid end to end from the request's arrival. A caller's
+W3C ``traceparent`` header is continued: the root span joins its trace as a child of the caller's span (a
+malformed one is ignored and the request starts a trace of its own). Spans are
 built after the fact from a :class:`~tokenmill.observability.telemetry.RequestRecord` with explicit timestamps; a
 ``BatchSpanProcessor`` ships them from its own thread, so recording never waits on the network.
 """
@@ -82,12 +84,14 @@ class Tracing:
     def __init__(self, provider: Any) -> None:
         """Wrap a started SDK ``TracerProvider``; use :meth:`start` to build one."""
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._provider = provider
         self._tracer = provider.get_tracer("tokenmill")
         self._server_kind = SpanKind.SERVER
         self._status, self._error_code = Status, StatusCode.ERROR
         self._in_context = set_span_in_context
+        self._propagator = TraceContextTextMapPropagator()
         self._stopped = False
 
     @classmethod
@@ -109,7 +113,8 @@ class Tracing:
             bounds.append(bounds[-1] + _ns(seconds))
         end = max(start + _ns(record.total_seconds), bounds[-1])
         root = self._tracer.start_span(
-            record.route, kind=self._server_kind, attributes=_root_attributes(record), start_time=start
+            record.route, context=self._caller_context(record), kind=self._server_kind,
+            attributes=_root_attributes(record), start_time=start,
         )
         parent = self._in_context(root)
         for name, begin, finish in zip(_PHASES, bounds, bounds[1:]):
@@ -117,6 +122,16 @@ class Tracing:
         if record.error_type is not None:
             root.set_status(self._status(self._error_code, record.error or record.error_type))
         root.end(end_time=end)
+
+    def _caller_context(self, record: RequestRecord) -> Any:
+        """The caller's span from its ``traceparent`` (and ``tracestate``) as the root's parent, or None
+        (a new trace) without a well-formed one; the propagator never raises on a malformed header."""
+        if not record.traceparent:
+            return None
+        carrier = {"traceparent": record.traceparent}
+        if record.tracestate:
+            carrier["tracestate"] = record.tracestate
+        return self._propagator.extract(carrier)
 
     def shutdown(self) -> None:
         """Flush queued spans and stop the exporter (at server shutdown); safe to call twice."""
