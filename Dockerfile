@@ -4,8 +4,14 @@
 #   docker build -t tokenmill:cpu .                  # default target: CPU, python:3.11-slim
 #   docker build -t tokenmill:cuda --target cuda .   # NVIDIA GPUs: CUDA 12.8 torch, flash-attn, bitsandbytes
 #
-# Both targets run as the non-root user tokenmill (uid 1000), listen on 8080 (a non-root process
-# cannot bind ports below 1024) and keep model caches under the /data volume.
+# Both follow TGI's image conventions, so that TGI's command line works unchanged:
+#
+#   docker run --gpus all --shm-size 1g -p 8080:80 -v $volume:/data tokenmill:cuda --model-id $model
+#
+# the server listens on port 80 (PORT=80) and the Hugging Face cache is the /data volume (HF_HOME=/data:
+# hub downloads land in /data/hub, HF_TOKEN for gated models). They run as the non-root user tokenmill
+# (uid 1000), which owns /data; python-bind, a copy of the interpreter with cap_net_bind_service, lets it
+# bind port 80 (see image/README.md for other ports, users and runtimes that drop every capability).
 
 ARG TORCH_VERSION=2.13.0
 ARG CUDA_VERSION=12.8.1
@@ -60,37 +66,41 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # a user "ubuntu" with uid 1000: remove it so that tokenmill gets that uid in both targets.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 \
+ && apt-get install -y --no-install-recommends python3.12 libcap2-bin \
  && rm -rf /var/lib/apt/lists/* \
  && if id ubuntu >/dev/null 2>&1; then userdel ubuntu && rm -rf /home/ubuntu; fi \
  && groupadd --gid 1000 tokenmill \
  && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin tokenmill \
- && mkdir -p /data/tokenmill /data/huggingface \
+ && mkdir -p /data/tokenmill /data/hub \
  && chown -R tokenmill:tokenmill /data
 
 COPY --from=cuda-builder /opt/venv /opt/venv
+# python-bind: the venv's interpreter once more (a copy: it finds the venv through /opt/venv/pyvenv.cfg
+# like the python link does), allowed to bind ports below 1024. The entrypoint serves with it when the
+# container may have that capability, else with plain python (see image/entrypoint.sh).
+RUN cp "$(readlink -f /opt/venv/bin/python)" /opt/venv/bin/python-bind \
+ && setcap cap_net_bind_service=+ep /opt/venv/bin/python-bind
 COPY image/ /opt/tokenmill/image/
 
 # DL3064 flags any name containing TOKEN; TOKENMILL_CACHE_DIR is a cache path, not a secret.
 # hadolint ignore=DL3064
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    HF_HUB_OFFLINE=1 \
     TOKENMILL_CACHE_DIR=/data/tokenmill \
-    HF_HOME=/data/huggingface \
-    PORT=8080
+    HF_HOME=/data \
+    PORT=80
 
 # Numeric, so that Kubernetes' runAsNonRoot can check it without reading /etc/passwd.
 USER 1000:1000
 WORKDIR /data
 VOLUME /data
-EXPOSE 8080
+EXPOSE 80
 STOPSIGNAL SIGTERM
 # The server answers /health 200 once the model is loaded and 503 while it drains after SIGTERM;
 # loading a large model takes minutes, hence the long start period. Python's urllib, as slim and
 # CUDA runtime images have no curl; urlopen raises (exit status 1) on any non-2xx answer.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '8080'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '80'), timeout=4)"]
 ENTRYPOINT ["/opt/tokenmill/image/entrypoint.sh"]
 
 # ---------------------------------------------------------------------------------------------
@@ -108,11 +118,11 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # base image, and only compile tokenmill's own kernel.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ ninja-build \
+ && apt-get install -y --no-install-recommends g++ ninja-build libcap2-bin \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 1000 tokenmill \
  && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin tokenmill \
- && mkdir -p /data/tokenmill /data/huggingface /opt/tokenmill/torch_extensions \
+ && mkdir -p /data/tokenmill /data/hub /opt/tokenmill/torch_extensions \
  && chown -R tokenmill:tokenmill /data /opt/tokenmill/torch_extensions
 
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
@@ -126,15 +136,17 @@ RUN pip install --no-cache-dir . \
  && rm -rf /src/build
 
 COPY image/ /opt/tokenmill/image/
+# python-bind: the interpreter once more, allowed to bind ports below 1024 (see the cuda stage).
+RUN cp "$(readlink -f /usr/local/bin/python3)" /usr/local/bin/python-bind \
+ && setcap cap_net_bind_service=+ep /usr/local/bin/python-bind
 
 # DL3064 flags any name containing TOKEN; TOKENMILL_CACHE_DIR is a cache path, not a secret.
 # hadolint ignore=DL3064
 ENV PYTHONUNBUFFERED=1 \
-    HF_HUB_OFFLINE=1 \
     TORCH_EXTENSIONS_DIR=/opt/tokenmill/torch_extensions \
     TOKENMILL_CACHE_DIR=/data/tokenmill \
-    HF_HOME=/data/huggingface \
-    PORT=8080
+    HF_HOME=/data \
+    PORT=80
 
 # tokenmill, numeric as in the cuda stage.
 USER 1000:1000
@@ -144,9 +156,9 @@ RUN python -c "from tokenmill import native_kernels as n; r = n.native_unavailab
 
 WORKDIR /data
 VOLUME /data
-EXPOSE 8080
+EXPOSE 80
 STOPSIGNAL SIGTERM
 # See the cuda stage: /health is 200 when serving, 503 while loading fails or draining.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '8080'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '80'), timeout=4)"]
 ENTRYPOINT ["/opt/tokenmill/image/entrypoint.sh"]

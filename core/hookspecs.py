@@ -196,9 +196,9 @@ def tokenmill_load_stage(stage: str, seconds: float, detail: str) -> None:
     """Observe model loading.
 
     Called in the loader thread each time a model-load stage ends, done or failed (`resolving`,
-    `converting gguf`, `loading weights`, `quantizing`, `warm-up`). Receives the stage name, its
-    duration in seconds and a short detail: the path, or `failed: <cause>`. Returns nothing. Use it to
-    export start-up timings.
+    `downloading`, `converting gguf`, `loading weights`, `quantizing`, `warm-up`). Receives the stage
+    name, its duration in seconds and a short detail: the path, or `failed: <cause>`. Returns
+    nothing. Use it to export start-up timings.
     """
 
 

@@ -72,22 +72,65 @@ def test_dockerfile_builds_cuda_on_request_and_cpu_by_default():
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
-def test_each_target_serves_as_a_non_root_user_on_the_port_it_exposes(target):
+def test_each_target_serves_as_a_non_root_user_on_tgi_s_port_80_which_it_exposes(target):
     stage = dockerfile_stages()[target]
     user = arguments_of(stage, "USER")[-1]
     assert user.split(":")[0] not in ("root", "0")
-    assert arguments_of(stage, "EXPOSE") == [env_of(stage)["PORT"]]
-    assert int(env_of(stage)["PORT"]) >= 1024, "a non-root process cannot bind a lower port"
+    assert arguments_of(stage, "EXPOSE") == [env_of(stage)["PORT"]] == ["80"]
+    assert "HEALTHCHECK" in dict(stage) and "os.environ.get('PORT', '80')" in dict(stage)["HEALTHCHECK"]
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
-def test_each_target_keeps_its_caches_on_the_data_volume_and_starts_through_the_entrypoint_script(target):
+def test_each_target_gives_a_copy_of_its_interpreter_the_capability_to_bind_port_80_as_root_before_user(target):
     stage = dockerfile_stages()[target]
+    names = [name for name, _ in stage]
+    setcap = [index for index, (name, arguments) in enumerate(stage)
+              if name == "RUN" and "setcap cap_net_bind_service=+ep" in arguments]
+    assert len(setcap) == 1 and setcap[0] < names.index("USER"), "setcap needs root, before USER"
+    run = stage[setcap[0]][1]
+    binary = run.rsplit("setcap cap_net_bind_service=+ep", 1)[1].split()[0]
+    assert binary.endswith("/python-bind") and "cp \"$(readlink -f " in run and binary in run.split("&&")[0]
+    assert (target == "cuda") == binary.startswith("/opt/venv/bin/"), "in the venv, on PATH, like python"
+    assert any("libcap2-bin" in arguments for name, arguments in stage if name == "RUN"), "setcap comes from it"
+
+
+def test_the_entrypoint_serves_with_python_bind_only_when_it_holds_the_capability():
+    script = (ROOT / "image" / "entrypoint.sh").read_text()
+    (last,) = [line for line in script.splitlines() if line.startswith("exec ")]
+    assert last == 'exec "$python" -m gunicorn --config "$here/gunicorn.conf.py"'
+    check = script[script.index("python-bind -c '") + len("python-bind -c '"):]
+    check = check[:check.index("'")]
+    compile(check, "python-bind check", "exec")
+    assert 'status["CapEff"]' in check and ">> 10 & 1" in check, "CAP_NET_BIND_SERVICE is capability 10"
+    assert 'python="python"' in script.split("if command -v python-bind")[0], "plain python otherwise"
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_each_target_keeps_the_hub_cache_on_the_data_volume_as_tgi_does_and_downloads(target):
+    stage = dockerfile_stages()[target]
+    env = env_of(stage)
     assert arguments_of(stage, "VOLUME") == ["/data"]
-    assert env_of(stage)["HF_HOME"].startswith("/data/") and env_of(stage)["TOKENMILL_CACHE_DIR"].startswith("/data/")
+    assert env["HF_HOME"] == "/data" and env["TOKENMILL_CACHE_DIR"].startswith("/data/")
+    assert "HF_HUB_OFFLINE" not in env and "HF_HUB_CACHE" not in env and "HUGGINGFACE_HUB_CACHE" not in env
+    made_and_owned = [arguments for name, arguments in stage if name == "RUN" and "mkdir -p /data" in arguments]
+    assert len(made_and_owned) == 1 and "chown -R tokenmill:tokenmill /data" in made_and_owned[0]
+    assert "useradd --uid 1000" in made_and_owned[0] and arguments_of(stage, "USER")[-1] == "1000:1000"
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_each_target_starts_through_the_entrypoint_script(target):
+    stage = dockerfile_stages()[target]
     assert "image/ /opt/tokenmill/image/" in arguments_of(stage, "COPY")
     assert json.loads(arguments_of(stage, "ENTRYPOINT")[-1]) == [ENTRYPOINT]
     assert (ROOT / "image" / "entrypoint.sh").is_file()
+
+
+def test_the_image_readme_gives_tgi_s_command_line_and_the_ways_to_bind_port_80():
+    readme = (ROOT / "image" / "README.md").read_text()
+    assert "docker run --gpus all --shm-size 1g -p 8080:80 -v \"$volume\":/data" in readme
+    for needed in ("-e PORT=8080", "net.ipv4.ip_unprivileged_port_start=0", "--cap-add NET_BIND_SERVICE",
+                   "--user", "HF_TOKEN", "HF_HUB_OFFLINE=1", "chown 1000:1000"):
+        assert needed in readme, needed
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda path: path.name)

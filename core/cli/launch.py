@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from tokenmill.config import Config, ConfigError, parse_config
-from tokenmill.model.loading import ModelLoadError, checkpoint_config, resolve
+from tokenmill.model.loading import ModelLoadError, check_source, checkpoint_config
 from tokenmill.model.sharding import ShardingError
 from tokenmill.observability.logs import setup_logging
 from tokenmill.observability.tracing import TracingUnavailable
@@ -52,7 +52,7 @@ def preflight(config: Config) -> None:
         from tokenmill.observability.tracing import require_packages
 
         require_packages()
-    resolve(config.model_id, config.revision)
+    check_source(config.model_id, config.revision, getattr(config, "huggingface_hub_cache", None))
 
 
 def launch_rank(rank: int, config: Config) -> int:

@@ -73,7 +73,8 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         loaded = sharding.load_rank0_model(config, stages, attention)
     else:
         loaded = load_model(config.model_id, config.revision, config.dtype, attention, config.trust_remote_code,
-                            stages, pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
+                            stages, pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path),
+                            hub_cache=hub_cache(config))
     chosen = fit_backend(pm, config, chosen, loaded.model)
     unavailable = settings_unavailable_reason(config, chosen, loaded.device.type)
     if unavailable:
@@ -134,6 +135,11 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     return Started(engine, loaded, chosen, vocab_size, config, adapters, prefix_caching_off)
 
 
+def hub_cache(config: Config) -> str | None:
+    """``--huggingface-hub-cache``: where hub downloads go (None: the hub client's own default)."""
+    return getattr(config, "huggingface_hub_cache", None)
+
+
 def prefix_caching_unavailable_reason(config: Config, chosen: Chosen, runner: Any) -> str | None:
     """Why this server does not reuse computed prompt prefixes, or None when it does."""
     if not config.prefix_caching:
@@ -179,7 +185,7 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     unavailable = owned_engine_unavailable_reason(config, chosen)
     if unavailable:
         raise ModelLoadError(unavailable)
-    display_id, path = resolve_checkpoint(config.model_id, config.revision, stages)
+    display_id, path = resolve_checkpoint(config.model_id, config.revision, stages, hub_cache(config))
     tokenizer, model_config = stages.run("loading tokenizer", lambda: (
         AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code),
         AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)), detail=str(path))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.model import hub
 from tokenmill.model.loading import ModelLoadError
 from tokenmill.model.lora import (  # the layer side too: the old path ``tokenmill.lora`` is this module
     PEFT_PREFIX,
@@ -105,18 +106,18 @@ def peft_unavailable_reason(config: dict[str, Any]) -> str | None:
     return None
 
 
-def locate(source: str) -> Path:
-    """A local adapter directory, or a hub id's snapshot already in the local Hugging Face cache."""
+def locate(source: str, hub_cache: str | None = None) -> Path:
+    """A local adapter directory, or a hub id's snapshot: downloaded (adapter_config.json, the weights)
+    into ``hub_cache`` (None: the hub client's default), or only from the local cache with HF_HUB_OFFLINE=1."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
-
+    if not hub.is_repo_id(source):
+        raise AdapterError(f"adapter {source!r} is not a local directory (no such path) and no hub id (org/name)")
     try:
-        return Path(snapshot_download(source, local_files_only=True))
-    except Exception as error:  # noqa: BLE001 - any failure means: not available offline
-        raise AdapterError(f"adapter {source!r} is not a local directory and not in the local Hugging Face cache "
-                           f"({type(error).__name__})") from None
+        return hub.snapshot(source, None, hub_cache, required="adapter_config.json")
+    except hub.HubError as error:
+        raise AdapterError(f"adapter {source!r}: {error}") from None
 
 
 @dataclass
@@ -131,8 +132,10 @@ class AdapterCache:
     lock (on the tokenizer thread); pinning is quick and never reads."""
 
     def __init__(self, batch: LoraBatch, limit: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 base_model_id: str | None = None) -> None:
+                 base_model_id: str | None = None, hub_cache: str | None = None) -> None:
         self.batch = batch
+        self.hub_cache = hub_cache
+        """Where adapters named by hub id are downloaded (None: the hub client's default cache)."""
         self.limit = limit
         self.max_rank = max_rank
         self.dtype, self.device = dtype, device
@@ -154,7 +157,7 @@ class AdapterCache:
         if not name or "=" in name or "," in name or name == self.base_model_id:
             raise AdapterError(f"adapter id {name!r} must be a non-empty name without '=' or ',', other than "
                                "the base model's id")
-        path = locate(source)
+        path = locate(source, self.hub_cache)
         with self.lock:
             if name in self.sources and self.sources[name] != path:
                 raise AdapterError(f"adapter {name!r} is already loaded from another directory")
@@ -223,7 +226,8 @@ def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> Adapte
     def load() -> AdapterCache:
         try:
             cache = AdapterCache(install(loaded.model), config.adapter_slots, config.max_lora_rank,
-                                 loaded.dtype, loaded.device, base_model_id=loaded.model_id)
+                                 loaded.dtype, loaded.device, base_model_id=loaded.model_id,
+                                 hub_cache=getattr(config, "huggingface_hub_cache", None))
             for name, source in named:
                 cache.register(name, source)
         except (AdapterError, AdapterBusy) as error:

