@@ -184,6 +184,8 @@ def test_adapters_load_at_run_time_only_from_the_adapter_directories(lora_server
         absolute = client.post("/adapters", json={"id": "out", "path": str(outside)})
         climbing = client.post("/adapters", json={"id": "up", "path": "../elsewhere"})
         inside = client.post("/adapters", json={"id": "in", "path": "ad3"})  # relative to the first directory
+        pathless = client.post("/adapters", json={"id": str(outside)})  # an id that names a directory: no way in
+    assert pathless.status_code == 403 and "loads a hub id (org/name) only" in pathless.json()["error"]
     for answer in (absolute, climbing):
         assert answer.status_code == 403 and answer.json()["error_type"] == "forbidden"
         assert "inside a --lora-adapter-dir" in answer.json()["error"] and str(outside) not in answer.text

@@ -14,6 +14,7 @@ from tokenmill import __version__
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.state import ServerState, adapter_api_error
 from tokenmill.model.adapters import AdapterCache
+from tokenmill.model.hub import is_repo_id
 from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.profiling import MAX_SECONDS, ProfileError, record_flame_graph
 
@@ -72,13 +73,22 @@ class AdaptersRoute:
                 body.get("path", body.get("id")), str):
             raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")
         name = body["id"]
-        source = allowed_adapter_path(name, body["path"], config.lora_adapter_dir) if "path" in body else name
+        source = allowed_adapter_path(name, body["path"], config.lora_adapter_dir) if "path" in body else hub_only(name)
         try:
             adapter = await self.state.workers.run(cache.register, name, source)
         except (AdapterBusy, AdapterError) as error:
             raise adapter_api_error(error) from None
         resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),
                       "path": str(adapter.path)}
+
+
+def hub_only(name: str) -> str:
+    """``name`` as a hub id to download; a body without ``path`` never reaches a local directory (only
+    ``path`` does, inside ``--lora-adapter-dir``)."""
+    if not is_repo_id(name) or os.path.exists(os.path.expanduser(name)):
+        raise ApiError(403, f"adapter {name!r}: without `path`, POST /adapters loads a hub id (org/name) only; "
+                            "give `path` inside a --lora-adapter-dir directory for a local adapter", "forbidden")
+    return name
 
 
 def allowed_adapter_path(name: str, path: str, directories: tuple[str, ...]) -> str:
@@ -147,8 +157,8 @@ class InfoRoute:
             "max_batch_total_tokens": config.max_batch_total_tokens,
             "max_batch_size": config.max_batch_size,
             "max_top_n_tokens": config.max_top_n_tokens,
-            "validation_workers": 1,
-            "max_client_batch_size": 1,
+            "validation_workers": config.validation_workers,
+            "max_client_batch_size": config.max_client_batch_size,
             "router": "tokenmill",
             "version": __version__,
             "sha": None,
