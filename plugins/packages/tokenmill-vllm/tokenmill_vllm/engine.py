@@ -40,6 +40,8 @@ def unsupported_reason(request: GenerationRequest) -> str | None:
                 "`frequency_penalty` and `presence_penalty` are")
     if request.grammar is not None and lark_grammar(request.grammar) is None:
         return "this grammar cannot be handed to --backend vllm"
+    if request.min_tokens:  # vLLM would mask end tokens itself, but tokenmill decides when a sequence ends
+        return "`min_tokens` is not supported by --backend vllm"
     return None
 
 
@@ -56,6 +58,8 @@ def sampling_params(seq: Sequence) -> Any:
         temperature=(sampling.temperature or 1.0) if sampled else 0.0,
         top_k=(sampling.top_k or 0) if sampled else 0,
         top_p=(sampling.top_p or 1.0) if sampled else 1.0,
+        min_p=(sampling.min_p or 0.0) if sampled else 0.0,
+        logit_bias=dict(sampling.logit_bias) or None,
         seed=seq.seed if sampled else None,
         repetition_penalty=sampling.repetition_penalty or 1.0,
         presence_penalty=sampling.presence_penalty or 0.0,
