@@ -94,8 +94,9 @@ _HELP = {
     "otlp_endpoint": ("send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. "
                       "http://collector:4318 (needs tokenmill[otlp])"),
     "otlp_service_name": "service.name of the traces",
-    "lora_adapters": ("LoRA adapters to serve, comma-separated: `id` (in the local HF cache) or `id=path` (a PEFT "
-                      "checkpoint directory); requests pick one with `adapter_id` (OpenAI routes: `model`)"),
+    "lora_adapters": ("LoRA adapters to serve, comma-separated: `id` (a hub id, downloaded unless "
+                      "HF_HUB_OFFLINE=1) or `id=path` (a PEFT checkpoint directory); requests pick one with "
+                      "`adapter_id` (OpenAI routes: `model`)"),
     "lora_cache_limit": ("most LoRA adapters in memory; the least recently used idle one is evicted and reloaded "
                          "when asked for again (default: 8, or as many as --lora-adapters names). Setting it also "
                          "enables POST /adapters without --lora-adapters"),

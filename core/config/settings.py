@@ -190,7 +190,7 @@ class Config:
         return bool(self.lora_adapters) or self.lora_cache_limit is not None
 
     def named_adapters(self) -> list[tuple[str, str]]:
-        """``--lora-adapters`` as (id, source) pairs: ``id`` (a hub id in the local HF cache, its own
+        """``--lora-adapters`` as (id, source) pairs: ``id`` (a hub id, downloaded, its own
         source) or ``id=path``, comma-separated."""
         pairs = []
         for item in (self.lora_adapters or "").split(","):
