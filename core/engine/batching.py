@@ -125,7 +125,7 @@ class Batch:
         for row, (seq, chunk, logits) in enumerate(zip(plan.prefill, plan.chunks, out.prompt_logits)):
             seq.num_computed += chunk
             if logits is not None:
-                seq.prefill_tokens = self.output.prompt_tokens(seq.prompt_ids, logits)
+                self.output.prompt_details(seq, logits)
             if seq.pending_len == 0:
                 done.append(seq)
                 rows.append(row)

@@ -25,7 +25,7 @@ from tokenmill.engine.sequence import (
 )
 from tokenmill.engine.stops import StopMatcher
 from tokenmill.sampling.grammar import batch_allowed
-from tokenmill.sampling.sampler import SequenceSampler, prompt_logprobs
+from tokenmill.sampling.sampler import SequenceSampler, prompt_scores
 from tokenmill.sampling.setup import new_sampler
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,12 @@ class Output:
         """The prompt's tokens with their log-probabilities, as ``decoder_input_details`` reports them."""
         return [self.token_info(i, lp) for i, lp in zip(prompt_ids, logprobs)]
 
-    def prompt_tokens(self, prompt_ids: list[int], logits: torch.Tensor) -> list[TokenInfo]:
-        return self.prompt_token_infos(prompt_ids, prompt_logprobs(prompt_ids, logits))
+    def prompt_details(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Fill ``seq``'s prompt details from its prompt's ``logits``: each token's log-probability and,
+        when the request asks for top tokens, the likeliest ones at each prompt position (echo scoring)."""
+        logprobs, tops = prompt_scores(seq.prompt_ids, logits, seq.request.top_n_tokens)
+        seq.prefill_tokens = self.prompt_token_infos(seq.prompt_ids, logprobs)
+        seq.prefill_top_tokens = [[self.token_info(i, lp) for i, lp in top] for top in tops]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Choose each sequence's next token from its row of ``logits`` and hand it on; the
@@ -186,6 +190,7 @@ class Output:
             tokens=list(seq.tokens),
             top_tokens=list(seq.top_tokens),
             prefill=list(seq.prefill_tokens),
+            prefill_top=list(seq.prefill_top_tokens),
             seed=seq.seed if state.sampler.sampling else None,
             input_length=seq.prompt_len,
             queue_seconds=admitted - seq.arrived_at,

@@ -95,6 +95,8 @@ class FinalResult:
     inference_seconds: float
     cached_tokens: int = 0
     """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
+    prefill_top: list[list[TokenInfo]] = field(default_factory=list)
+    """The top tokens at each prompt position, as ``prefill`` (empty unless asked for with ``top_n_tokens``)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -142,6 +144,8 @@ class Sequence:
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []
+        self.prefill_top_tokens: list[list[TokenInfo]] = []
+        """The likeliest tokens at each prompt position (none at the first), when the request asks for top tokens."""
         self.finish_reason: str | None = None
         self.cancelled = False
         self.ended = False

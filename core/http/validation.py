@@ -149,12 +149,14 @@ class Validator:
         """The engine's word on a valid request it still cannot run (``Engine.unavailable_reason``)."""
 
     def generate(self, inputs: str, params: dict[str, Any], stream: bool, *, add_special_tokens: bool = True,
-                 max_top_n: int | None = None, grammar: Grammar | None = None) -> GenerationRequest:
+                 max_top_n: int | None = None, grammar: Grammar | None = None,
+                 input_ids: list[int] | None = None) -> GenerationRequest:
         """A GenerationRequest for the engine, or ValidationError with TGI's message. The OpenAI
         routes pass a rendered chat prompt (its special tokens already in the text), their own
-        top-logprobs limit, and the grammar they compiled for tools."""
+        top-logprobs limit, the grammar they compiled for tools, and a prompt given as token ids
+        (``input_ids``, run as they are; ``inputs`` is then their text)."""
         request = validate_generate(inputs, params, self.tokenizer, self.config, stream, self.vocab_size,
-                                    self.grammars, add_special_tokens, max_top_n, grammar)
+                                    self.grammars, add_special_tokens, max_top_n, grammar, input_ids)
         adapter_id = self.adapter(params.get("adapter_id"), "adapter_id")
         if adapter_id:
             request = replace(request, adapter_id=adapter_id)
@@ -183,10 +185,22 @@ class Validator:
                               f"{', '.join(known) or 'none yet (POST /adapters loads one)'}")
 
 
+def token_id_prompt(ids: Any, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked: a non-empty list of integers the model has embeddings for."""
+    if not isinstance(ids, list) or not ids:
+        raise ValidationError("a token-id `prompt` must be a non-empty list of integers")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValidationError(f"a token-id `prompt` must hold integers only, got {token!r}")
+        if not 0 <= token < vocab_size:
+            raise ValidationError(f"`prompt` has token id {token}, outside the model's {vocab_size} embeddings")
+    return list(ids)
+
+
 def validate_generate(
     inputs: str, params: dict[str, Any], tokenizer: Any, config: Config, stream: bool, vocab_size: int,
     grammars: GrammarCompiler, add_special_tokens: bool = True, max_top_n: int | None = None,
-    grammar: Grammar | None = None,
+    grammar: Grammar | None = None, input_ids: list[int] | None = None,
 ) -> GenerationRequest:
     assert config.max_input_tokens is not None and config.max_total_tokens is not None
     sampling = sampling_params(params, vocab_size)
@@ -237,9 +251,12 @@ def validate_generate(
     priority = params.get("priority", "normal")
     if priority not in PRIORITY_CLASSES:
         raise ValidationError(f"`priority` must be one of {', '.join(PRIORITY_CLASSES)}; got {priority!r}")
-    if inputs == "":
+    if input_ids is not None:
+        input_ids = token_id_prompt(input_ids, vocab_size)
+    elif inputs == "":
         raise ValidationError("`inputs` cannot be empty")
-    input_ids = list(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
+    else:
+        input_ids = list(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
     if not input_ids:
         raise ValidationError("`inputs` cannot be empty")
 

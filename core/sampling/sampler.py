@@ -176,7 +176,22 @@ def warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def prompt_logprobs(prompt_ids: list[int], logits: torch.Tensor) -> list[float | None]:
     """Log-probability of each prompt token given the ones before it; None for the first."""
+    return prompt_scores(prompt_ids, logits, 0)[0]
+
+
+def prompt_scores(prompt_ids: list[int], logits: torch.Tensor,
+                  top_n: int) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """Each prompt token's log-probability (None for the first) and the ``top_n`` likeliest tokens at
+    its position (none for the first), from one softmax: a scorer that asks whether the prompt was
+    the greedy choice compares the two, so they must be the very same numbers."""
     logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
     targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
     picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1) if len(prompt_ids) > 1 else []
-    return [None] + [float(v) for v in picked]
+    tops: list[list[tuple[int, float]]] = [[]]
+    if top_n > 0 and len(prompt_ids) > 1:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)
+        tops += [[(int(i), float(v)) for i, v in zip(row_ids, row_values) if math.isfinite(float(v))]
+                 for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    else:
+        tops += [[] for _ in prompt_ids[1:]]
+    return [None] + [float(v) for v in picked], tops

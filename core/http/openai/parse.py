@@ -21,7 +21,7 @@ from tokenmill.http.openai.chat import (
     tool_grammar,
     tools_to_offer,
 )
-from tokenmill.http.validation import Validator
+from tokenmill.http.validation import Validator, token_id_prompt
 from tokenmill.sampling.grammar import Grammar, GrammarError, grammar_from_parameter
 
 MAX_TOP_LOGPROBS = 20
@@ -146,6 +146,9 @@ class OpenAIJob:
     may_call_tool: bool = False
     """Whether the output may be a tool call (the route then parses it as one)."""
     echo: bool = False
+    scores_prompt: bool = False
+    """``max_tokens: 0`` with ``echo``: the prompt is scored and nothing is generated (one token is,
+    and left out of the response)."""
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -259,6 +262,38 @@ def _response_format_grammar(validator: Validator, response_format: dict[str, An
         raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
 
 
+def completion_prompts(validator: Validator, prompt: Any) -> list[tuple[str, list[int] | None]]:
+    """Each prompt of a completion request as (text, token ids or None for a text prompt). OpenAI's
+    four forms: a string, a list of token ids, or a non-empty list of either (a batch); a token-id
+    prompt runs as given (no special tokens added), its text is what it decodes to."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValidationError("`prompt` must be a string, a list of token ids, or a non-empty list of either")
+    items = prompt if isinstance(prompt[0], (str, list)) else [prompt]
+    prompts: list[tuple[str, list[int] | None]] = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append((item, None))
+        elif isinstance(item, list):
+            ids = token_id_prompt(item, validator.vocab_size)
+            prompts.append((validator.tokenizer.decode(ids), ids))
+        else:
+            raise ValidationError("a list of prompts must hold strings or lists of token ids only, "
+                                  f"got {type(item).__name__}")
+    return prompts
+
+
+def _scores_prompt(body: dict[str, Any], echo: bool) -> dict[str, Any] | None:
+    """For ``max_tokens: 0`` with ``echo`` (a scorer's request, as vLLM takes it): the body asking for
+    one token instead, which the response leaves out; None for any other body."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
+    if not echo or type(value) is not int or value != 0:
+        return None
+    return {**body, key: 1}
+
+
 def parse_completion(validator: Validator, body: Any, model: str, priority: str | None) -> OpenAIJob:
     """A completion request: one prompt or a list, each with ``n`` choices (tokenizer thread)."""
     if not isinstance(body, dict):
@@ -266,14 +301,16 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
     prompt = body.get("prompt", MISSING)
     if prompt is MISSING or prompt is None:
         raise ValidationError("missing field `prompt`")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValidationError(
-            "`prompt` must be a string or a non-empty list of strings (token-id prompts are not supported)")
+    prompts = completion_prompts(validator, prompt)
     if typed_field(body, "suffix", "string"):
         raise ValidationError("`suffix` is not supported")
     stream = bool(typed_field(body, "stream", "boolean"))
     echo = bool(typed_field(body, "echo", "boolean"))
+    scoring = _scores_prompt(body, echo)
+    if scoring is not None:
+        if stream:
+            raise ValidationError("`max_tokens: 0` (scoring the echoed prompt) is not supported when streaming")
+        body = scoring
     n = choice_count(body, validator.config.max_client_batch_size, len(prompts))
     best_of = typed_field(body, "best_of", "integer")
     if best_of not in (None, n):
@@ -291,6 +328,6 @@ def parse_completion(validator: Validator, body: Any, model: str, priority: str 
             params["decoder_input_details"] = True
     adapter = route(params, validator, body, priority)
     limit = min(MAX_COMPLETION_LOGPROBS, validator.config.max_top_n_tokens)
-    requests = [validator.generate(text, params, stream, max_top_n=limit) for text in prompts]
+    requests = [validator.generate(text, params, stream, max_top_n=limit, input_ids=ids) for text, ids in prompts]
     return OpenAIJob(requests, n, stream, _stream_options(body, stream), logprobs is not None, adapter or model,
-                     echo=echo)
+                     echo=echo, scores_prompt=scoring is not None)

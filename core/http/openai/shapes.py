@@ -9,7 +9,7 @@ from typing import Any
 
 import falcon.asgi
 
-from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, TokenEvent, TokenInfo
+from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
 from tokenmill.http.openai.chat import ToolCall, parse_tool_call
 from tokenmill.http.openai.parse import OpenAIJob
 
@@ -74,25 +74,33 @@ def completion_logprobs(tokens: list[TokenInfo], tops: list[list[TokenInfo]], st
             "text_offset": offsets}
 
 
+def choice_logprobs(job: OpenAIJob, request: GenerationRequest, result: FinalResult) -> dict[str, Any]:
+    """One completion choice's ``logprobs``. With ``echo`` they cover every token of the prompt and the
+    completion, special ones too: a scorer (lm-evaluation-harness) lines them up with the token ids
+    it sent, and reads the prompt's from the first (null) on. Without, the completion's text tokens."""
+    generated = [] if job.scores_prompt else list(zip(result.tokens, result.top_tokens))
+    if not job.echo:
+        generated = [(token, top) for token, top in generated if not token.special]
+    completion = completion_logprobs([t for t, _ in generated], [top for _, top in generated],
+                                     len(request.inputs) if job.echo else 0)
+    if not job.echo:
+        return completion
+    prompt = completion_logprobs(result.prefill, result.prefill_top or [[] for _ in result.prefill], 0)
+    return {key: prompt[key] + completion[key] for key in prompt}
+
+
 def completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
     choices = []
     for index, result in enumerate(results):
         request = job.requests[index // job.n]
-        text = without_stop(result.generated_text, request.stop)
-        logprobs = None
-        if job.logprobs:
-            tokens = [t for t in result.tokens if not t.special]
-            tops = [top for t, top in zip(result.tokens, result.top_tokens) if not t.special]
-            start = len(request.inputs) if job.echo else 0
-            logprobs = completion_logprobs(tokens, tops, start)
-            if job.echo:
-                prompt = completion_logprobs(result.prefill, [[] for _ in result.prefill], 0)
-                logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        text = "" if job.scores_prompt else without_stop(result.generated_text, request.stop)
+        logprobs = choice_logprobs(job, request, result) if job.logprobs else None
         choices.append({"index": index, "text": (request.inputs if job.echo else "") + text,
                         "logprobs": logprobs, "finish_reason": finish_reason(result)})
     prompt_tokens = sum(len(r.input_ids) for r in job.requests)
+    completion_tokens = 0 if job.scores_prompt else sum(r.generated_tokens for r in results)
     return {**job.common("text_completion"), "choices": choices,
-            "usage": usage_json(prompt_tokens, sum(r.generated_tokens for r in results), job.cached_tokens(results))}
+            "usage": usage_json(prompt_tokens, completion_tokens, job.cached_tokens(results))}
 
 
 class StopHoldback:
