@@ -69,7 +69,8 @@ def test_a_tgi_manifest_starts_and_each_flag_left_alone_says_what_tokenmill_does
         assert len(said) == 1, (flag, warnings)
     with tgi_server.client() as client:
         info = client.get("/info").json()
-        assert client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).status_code == 200
+        generated = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert generated.status_code == 200
     assert info["validation_workers"] == 3 and info["max_client_batch_size"] == 8
     assert info["max_concurrent_requests"] == 16 and info["num_shard"] == 1
 
@@ -107,6 +108,9 @@ def test_every_tgi_launcher_flag_is_accepted_and_its_variable_too():
     implemented = parse_config(["--sharded", "false", "--huggingface-hub-cache", "/cache", "--disable-grammar-support",
                                 "--tokenizer-config-path", "/t.json", "-p", "8000"], {})
     assert implemented.notices == () and implemented.port == 8000 and implemented.huggingface_hub_cache == "/cache"
+    repeated = parse_config(["--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b"],
+                            {"CORS_ALLOW_ORIGIN": "https://c"})
+    assert repeated.cors_allow_origin == "https://a,https://b"  # TGI's repeated form; the flags win over the variable
 
 
 def test_sharded_settles_the_shard_count_as_tgi_does():
@@ -153,7 +157,8 @@ def test_disable_grammar_support_refuses_every_constrained_generation(sagemaker_
         "type": "object", "properties": {"city": {"type": "string"}}}}}
     with sagemaker_server.client() as client:
         answers = [
-            client.post("/generate", json={"inputs": "Hi", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}),
+            client.post("/generate", json={"inputs": "Hi",
+                                           "parameters": {"grammar": {"type": "regex", "value": "a+"}}}),
             client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                       "response_format": {"type": "json_object"}}),
             client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],

@@ -146,6 +146,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             parser.add_argument(*names, action="append", default=None, help=help_text)
             parser.set_defaults(**{f.name: value})
             continue
+        if f.name in JOINED_WHEN_REPEATED:
+            parser.add_argument(*names, action="append", default=None, help=help_text)
+            continue
         if kind == "bool":
             value = _parse_bool(raw) if raw is not None else default
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=value, help=help_text)
@@ -168,6 +171,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         parser.add_argument(*names, type=convert, default=value, help=help_text)
     return parser
 
+
+JOINED_WHEN_REPEATED = ("cors_allow_origin",)
+"""Comma-separated lists that TGI's launcher also takes as a repeated flag (``--cors-allow-origin a
+--cors-allow-origin b``): the flags given are joined, the variable's value is used when none is."""
 
 SETTLED_AFTER_PARSING = ("num_shard",)
 """Flags whose default depends on others (``--num-shard`` on ``--sharded``): None until :func:`parse_config`."""
@@ -232,6 +239,8 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> C
     for f in flag_fields():
         if str(f.type).startswith("tuple"):
             values[f.name] = tuple(values[f.name] or ())
+    for name in JOINED_WHEN_REPEATED:
+        values[name] = ",".join(values[name]) if values[name] else (env.get(env_name(name)) or None)
     values["num_shard"] = settle_shards(values["num_shard"], values["sharded"])
     config = Config(**values)
     config.check()
