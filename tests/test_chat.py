@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import random
+import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -12,12 +16,17 @@ from tokenmill.http.openai import StopHoldback
 from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
-    parse_tool_call,
     parse_tools,
     render_prompt,
+    template_kwargs,
     tool_call_schema,
+    tool_grammar,
     tools_to_offer,
 )
+from tokenmill.http.openai.toolcalls import ToolCallScanner, parse_tool_calls
+from tokenmill.model.chat_template import read_chat_template, use_chat_template
+from tokenmill.model.loading import ModelLoadError
+from tokenmill.sampling.grammar import GrammarCompiler
 
 TOOLS = parse_tools([
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -67,11 +76,81 @@ def test_the_call_schema_accepts_exactly_the_valid_calls_of_the_offered_tools():
             jsonschema.validate(wrong, schema)
 
 
-def test_an_output_is_a_call_only_when_it_is_a_whole_call_object():
-    call = parse_tool_call('{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert call is not None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    assert parse_tool_call("It is sunny.") is None
-    assert parse_tool_call('{"name": "get_weather", "argu') is None  # cut short by max_tokens
+def test_an_output_is_a_call_once_the_call_has_named_its_tool():
+    (call,) = parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+    assert parse_tool_calls("It is sunny.") == []
+    assert parse_tool_calls('{"name": "get_weather", "argu') == []  # cut short by max_tokens before the name
+    (cut,) = parse_tool_calls('{"name": "get_weather", "arguments": {"ci')
+    assert cut.arguments == '{"ci'  # as far as it got, as OpenAI returns a call cut by max_tokens
+
+
+PARALLEL = ('{"name": "get_weather", "arguments": {"city": "Pa\\"ris}{", "n": [1, {"a": null}]}}\n'
+            '{"name": "get_time", "arguments": {}}\n{"name": "ping", "arguments": 42}\n'
+            '{"name": "echo", "arguments": "a \\"}\\" b"}')
+
+
+def test_the_scanner_reads_parallel_calls_with_the_arguments_as_written_whatever_the_pieces():
+    expected = [("get_weather", '{"city": "Pa\\"ris}{", "n": [1, {"a": null}]}'), ("get_time", "{}"),
+                ("ping", "42"), ("echo", '"a \\"}\\" b"')]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(PARALLEL)] == expected
+    rng = random.Random(0)
+    for _ in range(50):
+        scanner, names, arguments = ToolCallScanner(), {}, {}
+        cuts = sorted(rng.sample(range(1, len(PARALLEL)), 12))
+        for start, end in zip([0, *cuts], [*cuts, len(PARALLEL)]):
+            for delta in scanner.feed(PARALLEL[start:end]):
+                if delta.name is not None:
+                    assert delta.index == len(names) and delta.arguments == ""  # a call opens once, in order
+                    names[delta.index] = delta.name
+                else:
+                    arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
+        assert [(names[i], arguments[i]) for i in sorted(names)] == expected
+        assert scanner.finished and len({c.id for c in scanner.calls}) == 4
+
+
+def test_the_scanner_says_when_the_calls_are_not_whole():
+    scanner = ToolCallScanner()
+    scanner.feed('{"name": "get_time", "arguments": {}}\n{"na')
+    assert [c.name for c in scanner.calls] == ["get_time"] and not scanner.finished
+    scanner.feed('me": "get_time", "arguments": {"zone": "UTC"}')
+    assert not scanner.finished and not scanner.calls[1].complete
+    scanner.feed("}")
+    assert scanner.finished
+
+
+def test_parallel_tool_calls_decide_whether_the_grammar_allows_more_than_one(tiny_model):
+    _, tokenizer = tiny_model
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiler.ll_tokenizer()  # built once first, outside the tools' compile-time limit (a busy machine is slow)
+    one = '{"name": "get_time", "arguments": {}}'
+
+    def accepts(grammar, text):
+        matcher = grammar.new_matcher().matcher
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    for text_allowed in (False, True):
+        parallel, single = (tool_grammar(compiler, TOOLS, text_allowed, parallel) for parallel in (True, False))
+        assert accepts(parallel, one) and accepts(parallel, one + "\n" + one) and accepts(single, one)
+        assert not accepts(single, one + "\n" + one)
+        assert accepts(parallel, "It is sunny.") == text_allowed == accepts(single, "It is sunny.")
+
+
+def test_chat_template_kwargs_are_template_variables_that_cannot_replace_the_calls_own(tiny_model):
+    _, tokenizer = tiny_model
+    assert template_kwargs(tokenizer, {"enable_thinking": False}) == {"enable_thinking": False}
+    assert template_kwargs(tokenizer, None) == {}
+    for key in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "return_dict"):
+        with pytest.raises(ChatError, match=f"may not set {key}"):
+            template_kwargs(tokenizer, {key: True})
+    with pytest.raises(ChatError, match="must be an object"):
+        template_kwargs(tokenizer, ["enable_thinking"])
+    messages = parse_messages([{"role": "user", "content": "hi"}])
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert render_prompt(templated, messages, [], True, template_kwargs={"greeting": "Hello "}) == "Hello hi"
 
 
 def test_past_tool_calls_are_shown_as_the_json_the_model_writes_when_the_template_has_no_tool_support(tiny_model):
@@ -113,3 +192,35 @@ def test_stop_sequences_are_found_one_character_at_a_time_in_linear_time():
     long = StopMatcher(("a" * 511 + "b",))
     assert not long.feed("a" * 100_000) and long.held == 511  # never searched again: one pass over the text
     assert long.feed("b")
+
+
+def test_the_operators_chat_template_is_read_from_text_a_file_or_a_tokenizer_config(tmp_path, tiny_model):
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": template}, {"name": "tool_use", "template": "{{ tools }}"}]}))
+    assert read_chat_template(SimpleNamespace(chat_template=template)) == template
+    assert read_chat_template(SimpleNamespace(chat_template=str(tmp_path / "t.jinja"))) == template
+    named = read_chat_template(SimpleNamespace(tokenizer_config_path=str(tmp_path / "tokenizer_config.json")))
+    assert named == {"default": template, "tool_use": "{{ tools }}"}
+    assert read_chat_template(SimpleNamespace()) is None  # the model's own stays
+    tokenizer = copy.deepcopy(tiny_model[1])
+    use_chat_template(tokenizer, named)
+    assert render_prompt(tokenizer, parse_messages([{"role": "user", "content": "hi"}]), [], True) == "[hi]"
+
+
+@pytest.mark.parametrize("settings, line", [
+    ({"chat_template": "/no/such/template.jinja"}, "--chat-template: no such file '/no/such/template.jinja'"),
+    ({"chat_template": "{{ unclosed"}, "--chat-template: the Jinja template does not compile"),
+    ({"tokenizer_config_path": "/no/such/tokenizer_config.json"}, "no such file"),
+    ({"tokenizer_config_path": "HERE/t.jinja"}, "not a readable JSON file"),
+    ({"tokenizer_config_path": "HERE/empty.json"}, "it has no `chat_template`"),
+    ({"chat_template": "{{ x }}", "tokenizer_config_path": "HERE/empty.json"}, "both set the chat template"),
+])
+def test_a_chat_template_that_cannot_be_used_is_one_line_that_says_why(tmp_path, settings, line):
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    (tmp_path / "empty.json").write_text("{}")
+    settings = {key: value.replace("HERE", str(tmp_path)) for key, value in settings.items()}
+    with pytest.raises(ModelLoadError, match=re.escape(line)) as failure:
+        read_chat_template(SimpleNamespace(**settings))
+    assert "\n" not in str(failure.value)

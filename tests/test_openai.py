@@ -149,7 +149,8 @@ def test_json_object_response_format_opens_an_object(client):
 def test_required_tool_choice_returns_a_call_whose_arguments_fit_the_tool(client):
     for seed in range(3):
         reply = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, seed=seed,
-                                               tools=[WEATHER, TIME], tool_choice="required")
+                                               tools=[WEATHER, TIME], tool_choice="required",
+                                               parallel_tool_calls=False)  # several: test_chat_dropin.py
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
@@ -158,17 +159,19 @@ def test_required_tool_choice_returns_a_call_whose_arguments_fit_the_tool(client
         assert call.type == "function" and call.id.startswith("call_")
 
 
-def test_a_named_tool_choice_calls_that_tool_and_streams_the_call_whole(client):
+def test_a_named_tool_choice_calls_that_tool_and_streams_the_call_in_pieces(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     reply = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=40, temperature=0,
-                                           tools=[WEATHER, TIME], tool_choice=named)
+                                           tools=[WEATHER, TIME], tool_choice=named, parallel_tool_calls=False)
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
     chunks = list(client.chat.completions.create(model="any", messages=QUESTION, max_tokens=40, temperature=0,
-                                                 tools=[WEATHER, TIME], tool_choice=named, stream=True))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_time", call.function.arguments)]
+                                                 tools=[WEATHER, TIME], tool_choice=named, stream=True,
+                                                 parallel_tool_calls=False))
+    first, *rest = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert (first.function.name, first.function.arguments) == ("get_time", "")  # then the arguments, in pieces
+    assert "".join(tc.function.arguments for tc in rest) == call.function.arguments and len(rest) > 1
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -272,7 +275,8 @@ def test_tgi_forms_of_response_format_tools_and_logit_bias_are_taken(client):
     as_arguments = {"type": "function", "function": {"name": "get_weather",
                                                      "arguments": WEATHER["function"]["parameters"]}}
     (call,) = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, temperature=0,
-                                             tools=[as_arguments], tool_choice="required").choices[0].message.tool_calls
+                                             tools=[as_arguments], tool_choice="required",
+                                             parallel_tool_calls=False).choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     for bias in ({"42": -100}, [0.5]):
         assert client.chat.completions.create(model="any", messages=QUESTION, max_tokens=2,

@@ -83,12 +83,22 @@ def test_json_object_output_parses(client):
 def test_tool_call_arguments_validate_against_the_tool(client):
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         reply = client.chat.completions.create(model="smollm2", messages=ask("What's the weather like in Paris?"),
-                                               max_tokens=60, temperature=0, tools=[WEATHER], tool_choice=tool_choice)
+                                               max_tokens=60, temperature=0, tools=[WEATHER], tool_choice=tool_choice,
+                                               parallel_tool_calls=False)
         (call,) = reply.choices[0].message.tool_calls
         assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
         arguments = json.loads(call.function.arguments)
         jsonschema.validate(arguments, WEATHER["function"]["parameters"])
         assert "Paris" in arguments["city"]
+
+
+def test_a_question_about_two_cities_gets_parallel_calls_for_both(client):
+    question = ask("What's the weather like in Paris and in Rome?")
+    reply = client.chat.completions.create(model="smollm2", messages=question, max_tokens=100, temperature=0,
+                                           tools=[WEATHER], tool_choice="required")
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len({call.id for call in calls}) == len(calls)
+    assert {json.loads(call.function.arguments)["city"] for call in calls} == {"Paris", "Rome"}
 
 
 def test_regex_grammar_through_generate(smollm2):

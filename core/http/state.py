@@ -21,6 +21,7 @@ from tokenmill.http.validation import Validator
 from tokenmill.http.workers import ValidationWorkers
 from tokenmill.model import sharding
 from tokenmill.model.adapters import AdapterCache
+from tokenmill.model.chat_template import read_chat_template, use_chat_template
 from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
 from tokenmill.model.lora import Adapter, AdapterBusy, AdapterError
 from tokenmill.model.sharding import ShardProcesses
@@ -105,7 +106,9 @@ class ServerState:
         if self.config.num_shard > 1 and "RANK" not in os.environ:  # torchrun starts the other ranks itself
             self.shards = ShardProcesses(self.config)
             threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
+        chat_template = read_chat_template(self.config)  # before the weights: a bad one fails the start at once
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
+        use_chat_template(started.loaded.tokenizer, chat_template)
         self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off

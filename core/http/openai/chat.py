@@ -3,19 +3,22 @@
 A chat request becomes one prompt through the tokenizer's chat template. Tools are
 shown to the model in a system message that also says how to call them (and through
 the template too when it knows tools), and its output is held to a grammar: a call is a JSON object
-``{"name": ..., "arguments": {...}}`` valid for one of the offered tools; with
+``{"name": ..., "arguments": {...}}`` valid for one of the offered tools, and with
+``parallel_tool_calls`` (OpenAI's default) several calls may follow, one per line; with
 ``tool_choice`` ``auto`` the model may instead answer in plain text (text that does
-not start with ``{``).
+not start with ``{``). :mod:`tokenmill.http.openai.toolcalls` reads the calls back.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.http.openai.toolcalls import ToolCall, parse_tool_calls  # noqa: F401 - re-exported
 from tokenmill.sampling.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -163,8 +166,14 @@ def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {"anyOf": calls, "x-guidance": JSON_LAYOUT}
 
 
-def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: bool) -> Grammar:
-    """The grammar of the output: a valid call of one of ``tools`` (or, when allowed, plain text)."""
+def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: bool, parallel: bool = True) -> Grammar:
+    """The grammar of the output: a valid call of one of ``tools`` (``parallel``: one or more, a line
+    each), or, when allowed, plain text."""
+    if not compiler.disabled:
+        try:
+            compiler.ll_tokenizer()  # the token table, built once per tokenizer, is no cost of these tools
+        except GrammarError as error:
+            raise ChatError(f"`tools`: {error}") from None
     deadline = time.monotonic() + TOOLS_COMPILE_SECONDS
     for tool in tools:  # each schema alone first, so that a broken one is named
         try:
@@ -174,33 +183,40 @@ def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: boo
         if time.monotonic() > deadline:
             raise ChatError(f"`tools`: compiling their grammar takes longer than the limit of "
                             f"{TOOLS_COMPILE_SECONDS:g} s; offer fewer or simpler tools")
-    call = "%json " + json.dumps(tool_call_schema(tools))
+    call = "call: %json " + json.dumps(tool_call_schema(tools)) + "\n"
+    calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
     if not text_allowed:
-        return compiler.lark(f"start: {call}\n")
+        return compiler.lark("start: calls\n" + calls + call)
     # A plain answer is any text that does not open a JSON object, so its first visible character decides.
-    return compiler.lark(f"start: call | answer\ncall: {call}\nanswer: /\\s*[^{{\\s][\\s\\S]*/\n")
+    return compiler.lark("start: calls | answer\n" + calls + call + "answer: /\\s*[^{\\s][\\s\\S]*/\n")
 
 
-def tools_instruction(tools: list[Tool], text_allowed: bool) -> str:
+def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = True) -> str:
     listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools])
+    several = ("If the question needs several calls, write each on its own line, and no call twice. "
+               if parallel else "")
     ending = ("If none of them helps, answer the user in plain text instead." if text_allowed
               else "You must call one of them.")
     return ("You can call these functions:\n" + listing + "\n"
             'To call one, reply with only a JSON object: {"name": <function name>, "arguments": <its arguments>}. '
-            + ending)
+            + several + ending)
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool) -> str:
-    """The prompt text for ``messages``: the chat template with the assistant's turn opened."""
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool,
+                  parallel: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for ``messages``: the chat template with the assistant's turn opened.
+    ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
+    if isinstance(template, dict):  # named templates: what they say about tools is in their texts
+        template = "\n".join(template.values())
     if "tool_calls" not in template:
         messages = [_calls_as_text(m) for m in messages]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         # Always say how to call, even to a template that knows tools: the grammar wants our format, not its own.
-        messages = _with_system_note(messages, tools_instruction(tools, text_allowed))
+        messages = _with_system_note(messages, tools_instruction(tools, text_allowed, parallel))
         if "tools" in template:
             kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                    "parameters": t.parameters}} for t in tools]
@@ -227,25 +243,27 @@ def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[st
     return [{"role": "system", "content": note}] + messages
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-    """The arguments as JSON text, as OpenAI returns them."""
-
-    def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+TEMPLATE_VARIABLES_OF_THE_CALL = frozenset({"messages", "conversation", "conversations", "tools", "documents"})
+"""What the template call itself passes to the template (besides ``apply_chat_template``'s own arguments)."""
 
 
-def parse_tool_call(text: str) -> ToolCall | None:
-    """The call in a constrained output, or None when the model answered in text (or was cut short)."""
-    if not text.lstrip().startswith("{"):
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    return ToolCall("call_" + secrets.token_hex(12), value["name"], json.dumps(value.get("arguments", {})))
+@functools.cache
+def _reserved_template_names(tokenizer_type: type) -> frozenset[str]:
+    signature = inspect.signature(tokenizer_type.apply_chat_template)
+    own = {name for name, p in signature.parameters.items() if p.kind is not p.VAR_KEYWORD and name != "self"}
+    return frozenset(own) | TEMPLATE_VARIABLES_OF_THE_CALL
+
+
+def template_kwargs(tokenizer: Any, value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked: an object whose keys are extra template variables (such as
+    ``enable_thinking``), none of them one the template call sets itself (that would change how the
+    prompt is built, e.g. ``tokenize`` or ``add_generation_prompt``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ChatError("`chat_template_kwargs` must be an object of template variables")
+    taken = sorted(set(value) & _reserved_template_names(type(tokenizer)))
+    if taken:
+        raise ChatError(f"`chat_template_kwargs` may not set {', '.join(taken)}: the server sets "
+                        f"{'it' if len(taken) == 1 else 'them'} when it renders the chat template")
+    return value

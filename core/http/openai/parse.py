@@ -18,6 +18,7 @@ from tokenmill.http.openai.chat import (
     parse_messages,
     parse_tools,
     render_prompt,
+    template_kwargs,
     tool_grammar,
     tools_to_offer,
 )
@@ -177,13 +178,15 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
     stream = bool(typed_field(body, "stream", "boolean"))
     config = validator.config
     typed_field(body, "tool_prompt", "string")  # TGI's lead-in to the tools: tokenmill writes its own
+    parallel = typed_field(body, "parallel_tool_calls", "boolean") is not False  # OpenAI's default: several
     _logit_bias(body)
     try:
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body["tools"]) if body.get("tools") is not None else []
         offered, text_allowed = tools_to_offer(tools, body.get("tool_choice"))
-        prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed)
-        grammar = tool_grammar(validator.grammars, offered, text_allowed) if offered else None
+        variables = template_kwargs(validator.tokenizer, body.get("chat_template_kwargs"))
+        prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables)
+        grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered else None
     except ChatError as error:
         raise ValidationError(str(error)) from None
     params = sampling_parameters(body, None)

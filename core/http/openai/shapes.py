@@ -10,8 +10,8 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
-from tokenmill.http.openai.chat import ToolCall, parse_tool_call
 from tokenmill.http.openai.parse import OpenAIJob
+from tokenmill.http.openai.toolcalls import ToolCallScanner, scan_tool_calls
 
 
 def finish_reason(result: FinalResult, called: bool = False) -> str:
@@ -40,25 +40,29 @@ def chat_logprob(token: TokenInfo, top: list[TokenInfo]) -> dict[str, Any]:
     return {**entry(token), "top_logprobs": [entry(t) for t in top]}
 
 
-def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], ToolCall | None]:
-    call = parse_tool_call(result.generated_text) if job.may_call_tool else None
-    if call is not None:
-        return {"role": "assistant", "content": None, "tool_calls": [call.as_json()]}, call
-    return {"role": "assistant", "content": without_stop(result.generated_text, stops)}, None
+def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+    """The assistant's message and its finish reason: ``tool_calls`` when the output is whole calls. A
+    call cut short (by ``max_tokens``) is still returned, its arguments as far as they got."""
+    text = without_stop(result.generated_text, stops)
+    scanner = scan_tool_calls(text) if job.may_call_tool else ToolCallScanner()
+    if scanner.calls:
+        calls = [call.as_call().as_json() for call in scanner.calls]
+        return {"role": "assistant", "content": None, "tool_calls": calls}, finish_reason(result, scanner.finished)
+    return {"role": "assistant", "content": text}, finish_reason(result)
 
 
 def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
     request = job.requests[0]
     choices = []
     for index, result in enumerate(results):
-        message, call = chat_message(result, job, request.stop)
+        message, reason = chat_message(result, job, request.stop)
         logprobs = None
         if job.logprobs:
             logprobs = {"content": [chat_logprob(t, top) for t, top in
                                     zip(result.tokens, result.top_tokens or [[]] * len(result.tokens))
                                     if not t.special]}
         choices.append({"index": index, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish_reason(result, call is not None)})
+                        "finish_reason": reason})
     completion_tokens = sum(r.generated_tokens for r in results)
     return {**job.common("chat.completion"), "choices": choices,
             "usage": usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))}
@@ -139,9 +143,11 @@ class ChoiceStream:
         self.job, self.index, self.chat = job, index, chat
         self.request = job.requests[index // job.n]
         self.holdback = StopHoldback(self.request.stop)
-        self.buffering = job.may_call_tool
-        """A tool call is sent whole at the end; text answers stream once the first character shows it is text."""
+        self.calling: bool | None = None if job.may_call_tool else False
+        """Whether the output is tool calls: None until its first visible character says (``{`` opens one)."""
         self.buffered = ""
+        """The text until that character; in a call, all of it, sent as text if no call ever gets its name."""
+        self.scanner = ToolCallScanner()
         self.offset = 0
         """Characters of this choice's text sent so far (completions' ``text_offset``)."""
 
@@ -160,23 +166,40 @@ class ChoiceStream:
             text += self.holdback.finish()
         chunks = []
         logprobs = self._logprobs(event) if self.job.logprobs and not token.special else None
-        if self.buffering:
-            self.buffered += text
+        if self.calling is None:
+            self.buffered, text = self.buffered + text, ""
             if self.buffered.strip():
-                self.buffering = self.buffered.lstrip().startswith("{")
-                if not self.buffering:
+                self.calling = self.buffered.lstrip().startswith("{")
+                if self.calling:
+                    chunks += self._call_chunks(self.buffered)
+                else:
                     text, self.buffered = self.buffered, ""
-        if not self.buffering and (text or logprobs):
+        elif self.calling:
+            self.buffered += text
+            chunks += self._call_chunks(text)
+        if self.calling is False and (text or logprobs):
             chunks.append(self._text_chunk(text, logprobs, None))
         if event.final is not None:
             chunks += self._closing(event.final)
         return chunks
 
+    def _call_chunks(self, text: str) -> list[dict[str, Any]]:
+        """OpenAI's incremental tool-call deltas for the output's next ``text``: a call's id, type and
+        name with empty arguments once its name is known, then each new piece of its arguments."""
+        chunks = []
+        for delta in self.scanner.feed(text):
+            if delta.name is not None:
+                call = self.scanner.calls[delta.index]
+                entry = {"index": delta.index, "id": call.id, "type": "function",
+                         "function": {"name": delta.name, "arguments": ""}}
+            else:
+                entry = {"index": delta.index, "function": {"arguments": delta.arguments}}
+            chunks.append(self._chunk({"tool_calls": [entry]}, None, None))
+        return chunks
+
     def _closing(self, final: FinalResult) -> list[dict[str, Any]]:
-        call = parse_tool_call(self.buffered) if self.buffering else None
-        if call is not None:
-            delta = {"tool_calls": [{"index": 0, **call.as_json()}]}
-            return [self._chunk(delta, None, None), self._chunk({}, None, finish_reason(final, True))]
+        if self.calling and self.scanner.calls:
+            return [self._chunk({}, None, finish_reason(final, self.scanner.finished))]
         chunks = [self._text_chunk(self.buffered, None, None)] if self.buffered else []
         return chunks + [self._text_chunk("", None, finish_reason(final))]
 
