@@ -225,3 +225,15 @@ def test_huggingface_hubs_inference_client_runs_unchanged(tgi_server):
     chat = client.chat_completion([{"role": "user", "content": "Yes or no?"}], max_tokens=30,
                                   response_format={"type": "json", "value": schema})
     assert "a" in json.loads(chat.choices[0].message.content)
+
+
+def test_tgis_tool_prompt_leads_in_the_tools_the_model_reads(tgi_server):
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [weather],
+            "tool_prompt": "Pick one of these tools, carefully."}
+    with tgi_server.client() as client:
+        templated = client.post("/chat_tokenize", json=body).json()["templated_text"]
+        default = client.post("/chat_tokenize", json={**body, "tool_prompt": None}).json()["templated_text"]
+    assert "Pick one of these tools, carefully.\n[" in templated and '"weather"' in templated
+    assert "Pick one" not in default and "You can call these functions:" in default

@@ -95,7 +95,7 @@ def test_tool_call_arguments_validate_against_the_tool(client):
 def test_a_question_about_two_cities_gets_parallel_calls_for_both(client):
     question = ask("What's the weather like in Paris and in Rome?")
     reply = client.chat.completions.create(model="smollm2", messages=question, max_tokens=100, temperature=0,
-                                           tools=[WEATHER], tool_choice="required")
+                                           tools=[WEATHER], tool_choice="required", parallel_tool_calls=True)
     calls = reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "tool_calls" and len({call.id for call in calls}) == len(calls)
     assert {json.loads(call.function.arguments)["city"] for call in calls} == {"Paris", "Rome"}

@@ -191,21 +191,26 @@ def tool_grammar(compiler: GrammarCompiler, tools: list[Tool], text_allowed: boo
     return compiler.lark("start: calls | answer\n" + calls + call + "answer: /\\s*[^{\\s][\\s\\S]*/\n")
 
 
-def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = True) -> str:
+def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = True,
+                      lead_in: str | None = None) -> str:
+    """What the model reads about the tools: ``lead_in`` (TGI's ``tool_prompt``; default: tokenmill's own
+    line), the tools, and how to call them (the format the grammar holds the output to)."""
     listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools])
     several = ("If the question needs several calls, write each on its own line, and no call twice. "
                if parallel else "")
     ending = ("If none of them helps, answer the user in plain text instead." if text_allowed
               else "You must call one of them.")
-    return ("You can call these functions:\n" + listing + "\n"
+    return ((lead_in or "You can call these functions:") + "\n" + listing + "\n"
             'To call one, reply with only a JSON object: {"name": <function name>, "arguments": <its arguments>}. '
             + several + ending)
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool,
-                  parallel: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+                  parallel: bool = True, template_kwargs: dict[str, Any] | None = None,
+                  tool_prompt: str | None = None) -> str:
     """The prompt text for ``messages``: the chat template with the assistant's turn opened.
-    ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees."""
+    ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees;
+    ``tool_prompt`` (TGI's) leads in the tools."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
@@ -216,7 +221,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
     kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         # Always say how to call, even to a template that knows tools: the grammar wants our format, not its own.
-        messages = _with_system_note(messages, tools_instruction(tools, text_allowed, parallel))
+        messages = _with_system_note(messages, tools_instruction(tools, text_allowed, parallel, tool_prompt))
         if "tools" in template:
             kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                    "parameters": t.parameters}} for t in tools]

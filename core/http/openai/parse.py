@@ -177,15 +177,16 @@ def parse_chat(validator: Validator, body: Any, model: str, priority: str | None
         raise ValidationError("the request body must be a JSON object with `messages`")
     stream = bool(typed_field(body, "stream", "boolean"))
     config = validator.config
-    typed_field(body, "tool_prompt", "string")  # TGI's lead-in to the tools: tokenmill writes its own
-    parallel = typed_field(body, "parallel_tool_calls", "boolean") is not False  # OpenAI's default: several
+    lead_in = typed_field(body, "tool_prompt", "string")  # TGI's words before the tools
+    # Several calls only when asked for: TGI makes one, and small models asked once call twice.
+    parallel = typed_field(body, "parallel_tool_calls", "boolean") is True
     _logit_bias(body)
     try:
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body["tools"]) if body.get("tools") is not None else []
         offered, text_allowed = tools_to_offer(tools, body.get("tool_choice"))
         variables = template_kwargs(validator.tokenizer, body.get("chat_template_kwargs"))
-        prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables)
+        prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables, lead_in)
         grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered else None
     except ChatError as error:
         raise ValidationError(str(error)) from None
