@@ -155,4 +155,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_error_handler(ApiError, errors.api_error)
     app.add_error_handler(falcon.HTTPError, errors.http_error)
     pm.hook.tokenmill_add_routes(app=app, server=state)
+    from tokenmill.http.openapi import add_document_routes  # the document lists the routes added above
+
+    add_document_routes(app, config)
     return DisconnectWatch(app, state)

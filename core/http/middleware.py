@@ -24,8 +24,9 @@ GENERATION_ROUTES = {
 }
 """Paths whose POSTs are generation requests: counted, timed, logged and traced."""
 
-OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models"})
-"""What probes and scrapers read: never behind ``--api-key``."""
+OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models",
+                         "/api-doc/openapi.json", "/openapi.json", "/docs"})
+"""What probes and scrapers read, and the API's own description: never behind ``--api-key``."""
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 

@@ -11,9 +11,11 @@ import falcon.asgi
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.context import record_of, with_header_priority
+from tokenmill.http.fields import ValidationError
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
+from tokenmill.http.schemas import check_body
+from tokenmill.http.schemas.tgi import CompatGenerateRequest, GenerateRequest
 from tokenmill.http.state import ServerState, Slot
-from tokenmill.http.validation import ValidationError, compat_stream, parse_body
 
 
 def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
@@ -75,11 +77,11 @@ class GenerateRoute:
     async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
         body = await read_json(req, self.state.config.payload_limit)
         try:
-            inputs, params = parse_body(body)
-            stream = self.stream if self.stream is not None else compat_stream(body)
-            params = with_header_priority(req, params)
+            checked = check_body(GenerateRequest if self.stream is not None else CompatGenerateRequest, body)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
+        inputs, params = checked.inputs, with_header_priority(req, body.get("parameters", {}))
+        stream = self.stream if self.stream is not None else checked.stream
         request = await self.generation.validate(lambda validator: validator.generate(inputs, params, stream))
         return request, stream
 
@@ -112,8 +114,8 @@ class TokenizeRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.state.ready_engine()
         body = await read_json(req, self.state.config.payload_limit)
-        try:
-            inputs, _ = parse_body(body)
+        try:  # TGI reads /tokenize's body as a generate request: its parameters are checked, then unused
+            inputs = check_body(GenerateRequest, body).inputs
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
         validator = self.state.workers.first

@@ -1,0 +1,129 @@
+"""The shapes of tokenmill's operational and tokenizer routes: ``/info`` (TGI's Info, and more),
+``/queue``, ``/adapters``, ``/reset_prefix_cache``, vLLM's ``/detokenize``, ``/tokenizer_info`` and
+``/version``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from tokenmill.http.schemas.kinds import Integer, String
+from tokenmill.http.schemas.tgi import RequestModel, ResponseModel
+
+
+class LoadStage(ResponseModel):
+    stage: str
+    seconds: float = Field(ge=0)
+
+
+class Info(ResponseModel):
+    """TGI's Info, then tokenmill's: the chosen plugins, the KV cache, the load stages and the load now."""
+
+    model_id: str | None
+    model_sha: str | None = None
+    model_dtype: str | None = None
+    quantize: str | None = None
+    num_shard: int | None = None
+    model_device_type: str | None = None
+    model_pipeline_tag: str | None = None
+    max_concurrent_requests: int = Field(ge=0)
+    max_best_of: int = Field(ge=0)
+    max_stop_sequences: int = Field(ge=0)
+    max_input_tokens: int | None = Field(None, ge=0)
+    max_total_tokens: int | None = Field(None, ge=0)
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_batch_size: int | None = None
+    max_top_n_tokens: int | None = None
+    validation_workers: int = Field(ge=0)
+    max_client_batch_size: int = Field(ge=0)
+    router: str
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+    backend: str | None = None
+    attention: str | None = None
+    scheduler: str | None = None
+    kv_allocator: str | None = None
+    block_size: int | None = None
+    prefix_caching: bool | None = None
+    prefix_caching_off_reason: str | None = None
+    kv: dict[str, Any] | None = Field(None, description="The KV cache's use now (bytes, blocks)")
+    lora_adapters: list[str] | None = None
+    ready: bool | None = None
+    load_stage: str | None = None
+    load_stages: list[LoadStage] | None = None
+    queue_size: int | None = None
+    batch_size: int | None = None
+
+
+class QueuedSequence(ResponseModel):
+    id: int
+    state: Literal["waiting", "prefilling", "decoding", "paused"]
+    priority: str
+    prompt_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+    waited_seconds: float
+    unsent_tokens: int
+    cached_tokens: int
+    adapter_id: str | None
+    preempted: bool
+
+
+class QueueView(ResponseModel):
+    """Who waits and who runs, without prompt text."""
+
+    queue_size: int
+    batch_size: int
+    scheduler: str
+    pending: list[QueuedSequence]
+    running: list[QueuedSequence]
+
+
+class Adapters(ResponseModel):
+    adapters: list[str] = Field(description="Every adapter the server knows")
+    known: int
+    loaded: list[str] = Field(description="Those in memory now")
+    limit: int | None
+    bytes: int
+    loads: int
+    evictions: int
+
+
+class LoadAdapterRequest(RequestModel):
+    id: String = Field(description="The adapter's name (then `model` or `adapter_id` in requests)")
+    path: String | None = Field(None, description="A PEFT adapter directory inside a --lora-adapter-dir; "
+                                                  "absent: `id` in the local Hugging Face cache")
+
+
+class LoadedAdapter(ResponseModel):
+    id: str
+    rank: int
+    layers: int
+    path: str
+
+
+class PrefixCacheReset(ResponseModel):
+    prefix_caching: bool
+    dropped_blocks: int = Field(ge=0)
+
+
+class DetokenizeRequest(RequestModel):
+    tokens: list[Integer] = Field(description="Token ids of this model")
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class TokenizerInfo(ResponseModel):
+    """The tokenizer's configuration (its special tokens, chat template, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+class Version(ResponseModel):
+    version: str
