@@ -50,7 +50,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (  # top to bottom
     ("tokenmill.sampling", "tokenmill.model", "tokenmill.kernels", "tokenmill.observability"),
     ("tokenmill.interfaces",),
 )
-CONFIG_MODULES = ("tokenmill.config", "tokenmill.config.settings", "tokenmill.config.flags", "tokenmill.config.launcher")
+CONFIG_MODULES = ("tokenmill.config", "tokenmill.config.settings", "tokenmill.config.flags",
+                  "tokenmill.config.launcher")
 FOUNDATIONS = ("tokenmill", *CONFIG_MODULES, "tokenmill.hookspecs", "tokenmill.plugin_manager")
 INTERFACES_MAY_IMPORT = ("tokenmill", "tokenmill.config")
 

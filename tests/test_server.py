@@ -513,7 +513,7 @@ def test_unknown_routes_and_methods_answer_with_tgi_error_body():
 
     async def requests() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
-            return [await client.post("/invocations", json={"inputs": "Hi"}), await client.get("/nonexistent"),
+            return [await client.post("/v2/generate", json={"inputs": "Hi"}), await client.get("/nonexistent"),
                     await client.get("/generate"), await client.delete("/v1/models")]
 
     invocations, nonexistent, get_generate, delete_models = asyncio.run(requests())
@@ -522,5 +522,5 @@ def test_unknown_routes_and_methods_answer_with_tgi_error_body():
                                          (delete_models, 405, "method_not_allowed")):
         assert response.status_code == status and response.headers["content-type"].startswith("application/json")
         assert set(response.json()) == {"error", "error_type"} and response.json()["error_type"] == error_type
-    assert "/invocations" in invocations.json()["error"]
+    assert "/v2/generate" in invocations.json()["error"]
     assert get_generate.headers["allow"] == "POST, OPTIONS" and "GET" in get_generate.json()["error"]

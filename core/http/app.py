@@ -34,8 +34,10 @@ from tokenmill.http.ops import (
     QueueRoute,
     ResetPrefixCacheRoute,
 )
+from tokenmill.http.platform import InvocationsRoute, PingRoute, RootRoute, VersionRoute
 from tokenmill.http.state import ServerState
 from tokenmill.http.tgi.routes import GenerateRoute, TokenizeRoute
+from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute
 from tokenmill.observability.metrics import serve_metrics
 from tokenmill.plugin_manager import build_plugin_manager
 
@@ -132,20 +134,31 @@ def middleware(state: ServerState) -> list[Any]:
 def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> DisconnectWatch:
     """The ASGI application for ``config``; the model loads when the server starts."""
     pm = pm or build_plugin_manager()
+    for notice in config.notices:  # once per worker, now that its logging is set up
+        log.warning(notice)
     state = ServerState(config, pm)
     app = falcon.asgi.App(middleware=middleware(state))
     generation = Generation(state)
     app.add_route("/generate", GenerateRoute(generation, stream=False))
     app.add_route("/generate_stream", GenerateRoute(generation, stream=True))
-    app.add_route("/", GenerateRoute(generation, stream=None))
+    health = HealthRoute(state)
+    app.add_route("/", RootRoute(health, GenerateRoute(generation, stream=None)))
     app.add_route("/tokenize", TokenizeRoute(state))
-    app.add_route("/health", HealthRoute(state))
+    app.add_route("/health", health)
     app.add_route("/info", InfoRoute(state))
     app.add_route("/metrics", MetricsRoute(state))
     app.add_route("/queue", QueueRoute(state))
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
+    app.add_route("/ping", PingRoute(health))
+    app.add_route("/invocations", InvocationsRoute(state, chat=ChatCompletionsRoute(generation),
+                                                   completions=CompletionsRoute(generation),
+                                                   generate=GenerateRoute(generation, stream=None)))
+    app.add_route("/chat_tokenize", ChatTokenizeRoute(state))
+    app.add_route("/detokenize", DetokenizeRoute(state))
+    app.add_route("/tokenizer_info", TokenizerInfoRoute(state))
+    app.add_route("/version", VersionRoute())
     app.add_route("/adapters", AdaptersRoute(state))
     app.add_route("/reset_prefix_cache", ResetPrefixCacheRoute(state))
     if config.enable_profiling:

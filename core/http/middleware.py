@@ -21,12 +21,21 @@ GENERATION_ROUTES = {
     "/": "compat_generate",
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
+    "/invocations": "invocations",
 }
 """Paths whose POSTs are generation requests: counted, timed, logged and traced."""
 
-OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models",
+OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models", "/ping", "/version",
                          "/api-doc/openapi.json", "/openapi.json", "/docs"})
-"""What probes and scrapers read, and the API's own description: never behind ``--api-key``."""
+"""What probes and scrapers read, and the API's own description: never behind ``--api-key`` (nor is
+``GET /``, TGI's health check)."""
+
+
+def is_open(req: falcon.asgi.Request) -> bool:
+    """A probe's or scraper's request, or a CORS preflight (browsers send those without credentials)."""
+    if req.path in OPEN_ROUTES or (req.path == "/" and req.method in ("GET", "HEAD")):
+        return True
+    return req.method == "OPTIONS" and bool(req.get_header("Access-Control-Request-Method"))
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
@@ -70,7 +79,7 @@ class ApiKeyAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if req.path in OPEN_ROUTES or (req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method")):
+        if is_open(req):
             return
         given = (req.get_header("Authorization") or "").encode()
         if not hmac.compare_digest(given, self.expected):

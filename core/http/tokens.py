@@ -12,6 +12,8 @@ import falcon.asgi
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.fields import ValidationError
 from tokenmill.http.openai import parse_chat, served_model
+from tokenmill.http.schemas import check_body
+from tokenmill.http.schemas.openai import ChatRequest
 from tokenmill.http.state import ServerState
 from tokenmill.http.validation import Validator
 
@@ -40,6 +42,10 @@ class ChatTokenizeRoute:
         state = self.state
         validator = serving_validator(state)
         body = await read_json(req, state.config.payload_limit)
+        try:
+            check_body(ChatRequest, body)
+        except ValidationError as error:
+            raise ApiError(422, str(error), "validation") from None
         if not getattr(validator.tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenmill.config import Config
 from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
-from tokenmill.http.fields import MISSING, ValidationError, is_number, typed_field
+from tokenmill.http.fields import ValidationError, is_number, typed_field
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
 
@@ -17,35 +17,8 @@ MAX_STOP_CHARACTERS = 512
 """The longest stop sequence a request may give (matched as text, one character at a time)."""
 
 
-NOT_NULLABLE = ("decoder_input_details", "details", "do_sample", "stop", "watermark")
-"""TGI's parameters that may be left out but not null (its router rejects null where it has no Option)."""
-
-
-def parse_body(body: Any) -> tuple[str, dict[str, Any]]:
-    """The ``inputs`` string and ``parameters`` object of a TGI request body."""
-    if not isinstance(body, dict):
-        raise ValidationError("the request body must be a JSON object with `inputs`")
-    inputs = body.get("inputs", MISSING)
-    if inputs is MISSING:
-        raise ValidationError("missing field `inputs`")
-    if not isinstance(inputs, str):
-        raise ValidationError("`inputs` must be a string")
-    parameters = body.get("parameters", {})
-    if not isinstance(parameters, dict):  # null too: TGI's `parameters` is an object or absent
-        raise ValidationError("`parameters` must be an object")
-    for name in NOT_NULLABLE:
-        if name in parameters and parameters[name] is None:
-            raise ValidationError(f"`{name}` must not be null")
-    return inputs, parameters
-
-
-def compat_stream(body: dict[str, Any]) -> bool:
-    """The ``stream`` field of a body for ``/`` (TGI's compat route): a boolean, false when absent."""
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ValidationError(f"`stream` must be a boolean, got {stream!r}")
-    return stream
-
+GRAMMARS_DISABLED = ("grammar support is disabled on this server (--disable-grammar-support): no `grammar`, "
+                     "JSON `response_format` or tools")
 
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a token's bias either way (100 all but forces the token, -100 bans it)."""
@@ -140,7 +113,8 @@ class Validator:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, disabled=GRAMMARS_DISABLED
+                                        if config.disable_grammar_support else None)
         self.adapter_names = adapter_names
         """The LoRA adapters served now (None: the server serves none)."""
         self.model_id = model_id

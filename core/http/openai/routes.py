@@ -81,6 +81,9 @@ class CompletionsRoute(OpenAIRoute):
 
 
 def served_model(state: ServerState) -> str:
+    """The model's name in responses and /v1/models: ``--served-model-name``, else its id."""
+    if state.config.served_model_name:
+        return state.config.served_model_name
     loaded = state.loaded
     return loaded.model_id if loaded is not None else (state.config.model_id or "tokenmill")
 
