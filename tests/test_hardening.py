@@ -405,6 +405,7 @@ def test_a_fault_pinned_to_one_prompt_length_fails_that_request_and_no_other(sha
     assert shared.used("raise") == 1 and health(shared.url) == 200
 
 
+@pytest.mark.slow  # a server of its own that ends: minutes of the default run
 def test_consecutive_failed_steps_break_the_engine_every_request_gets_an_error_and_the_process_exits_3(
         own_server: Callable[..., FaultyServer]) -> None:
     """--max-failed-steps 3 with one sequence a step: the first three requests fail in their own steps,
@@ -427,6 +428,7 @@ def test_consecutive_failed_steps_break_the_engine_every_request_gets_an_error_a
     assert 200 not in seen[seen.index(503):], seen  # once broken, never healthy again
 
 
+@pytest.mark.slow  # a server of its own that ends: minutes of the default run
 def test_a_step_longer_than_step_timeout_breaks_the_engine_answers_its_waiters_and_exits(
         own_server: Callable[..., FaultyServer]) -> None:
     faulty = own_server("--step-timeout", "3")
@@ -690,6 +692,7 @@ def open_streams(url: str, count: int, max_new_tokens: int, timeout: float) -> t
     return results, threads
 
 
+@pytest.mark.slow  # a server of its own that ends: minutes of the default run
 def test_sigterm_to_the_process_group_lets_gunicorn_streams_finish_and_exits_0(
         own_server: Callable[..., FaultyServer]) -> None:
     """One SIGTERM to gunicorn's whole process group (its master and worker both get it, as from a

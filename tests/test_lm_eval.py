@@ -71,6 +71,9 @@ def per_sample(results: dict, task: str) -> list:
     return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
+pytestmark = pytest.mark.slow  # two servers and lm-eval's own hf run: the default run leaves it to CI's slow pass
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dict]:
     """lm-eval's own run of the checkpoint through transformers, in float32 (once for both backends)."""

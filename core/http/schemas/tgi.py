@@ -178,23 +178,22 @@ class Token(ResponseModel):
     special: bool
 
 
-class BestOfSequence(ResponseModel):
+class SequenceDetails(ResponseModel):
+    """What TGI's details say of one generated sequence."""
+
+    finish_reason: FinishReason
+    generated_tokens: int = Field(ge=0)
+    seed: int | None = Field(None, ge=0)
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
+class BestOfSequence(SequenceDetails):
     generated_text: str
-    finish_reason: FinishReason
-    generated_tokens: int = Field(ge=0)
-    seed: int | None = Field(None, ge=0)
-    prefill: list[PrefillToken]
-    tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
 
 
-class Details(ResponseModel):
-    finish_reason: FinishReason
-    generated_tokens: int = Field(ge=0)
-    seed: int | None = Field(None, ge=0)
-    prefill: list[PrefillToken]
-    tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
 
 
