@@ -123,10 +123,11 @@ def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = N
     raise RuntimeError(f"server not healthy after {ready_timeout}s:\n{server.log()}")
 
 
-@pytest.fixture(scope="module", params=["transformers", "paged"])
+@pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.slow), "paged"])
 def tiny_server(request: pytest.FixtureRequest, tiny_model_dir: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The real server (uvicorn) on the tiny model, once per backend, with small limits that tests can reach."""
+    """The real server (uvicorn) on the tiny model, once per backend, with small limits that tests can reach.
+    The default run serves the paged backend (auto's choice on CPU); the slow pass adds transformers."""
     server = start_server(
         ["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-input-tokens", "512",
          "--max-total-tokens", "1024", "--max-concurrent-requests", "16", "--backend", request.param],
