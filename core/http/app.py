@@ -34,7 +34,7 @@ from tokenmill.http.ops import (
     QueueRoute,
     ResetPrefixCacheRoute,
 )
-from tokenmill.http.platform import InvocationsRoute, PingRoute, RootRoute, VersionRoute
+from tokenmill.http.platform import InvocationsRoute, RootRoute, VersionRoute
 from tokenmill.http.state import ServerState
 from tokenmill.http.tgi.routes import GenerateRoute, TokenizeRoute
 from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute
@@ -151,7 +151,7 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
-    app.add_route("/ping", PingRoute(health))
+    app.add_route("/ping", health)  # SageMaker's name for the health check
     app.add_route("/invocations", InvocationsRoute(state, chat=ChatCompletionsRoute(generation),
                                                    completions=CompletionsRoute(generation),
                                                    generate=GenerateRoute(generation, stream=None)))

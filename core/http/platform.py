@@ -1,5 +1,5 @@
 """Routes that platforms built around TGI and vLLM call: TGI's ``GET /`` health check, SageMaker's
-``GET /ping`` and ``POST /invocations``, and vLLM's ``GET /version``.
+``POST /invocations`` (its ``GET /ping`` is /health's route itself), and vLLM's ``GET /version``.
 
 ``/invocations`` takes any of TGI's request bodies, as TGI's SageMaker route does: a chat request
 (``messages``) goes to /v1/chat/completions, a completion (``prompt``) to /v1/completions, anything
@@ -30,16 +30,6 @@ class RootRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         await self.generate.on_post(req, resp)
-
-
-class PingRoute:
-    """SageMaker's health check: 200 once the model serves, 503 before and while draining."""
-
-    def __init__(self, health: HealthRoute) -> None:
-        self.health = health
-
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        await self.health.on_get(req, resp)
 
 
 class InvocationsRoute:
