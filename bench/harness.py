@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("scenario", nargs="?",
                         choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora",
-                                 "soak"],
+                                 "soak", "dtype"],
                         default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                           "prefix caches (tokenmill and vLLM)"
                         + "; grammar: the cost per token of a JSON-schema constraint, on the engine"
                         + "; quant: each quantizer's memory, speed and quality on SmolLM2, on the engine"
+                        + "; dtype: bfloat16 against float32 on SmolLM2: perplexity, top-1 and greedy agreement"
                         + "; shards: --num-shard 1 against 2, memory per rank and tokens/s"
                         + "; lora: a batch mixing 4 LoRA adapters against the base model, on the engine"
                         + "; soak: thousands of valid, invalid and rude requests on one server; its goals "
@@ -266,6 +267,12 @@ def main(argv: list[str] | None = None) -> None:
         from bench import lora
 
         return lora.main(rest)
+    if args.scenario == "dtype":
+        from bench import dtype
+
+        raw = list(argv if argv is not None else sys.argv[1:])
+        raw.remove(args.scenario)
+        return dtype.main(raw)  # its own --model (a directory or none), which the harness would take
     if args.scenario in ("mixed", "multiturn", "soak"):
         from bench import mixed, multiturn, soak
 
