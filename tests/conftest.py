@@ -127,10 +127,12 @@ def start_server(args: list[str], tmp_path: Path, env: dict[str, str] | None = N
 def tiny_server(request: pytest.FixtureRequest, tiny_model_dir: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """The real server (uvicorn) on the tiny model, once per backend, with small limits that tests can reach.
-    The default run serves the paged backend (auto's choice on CPU); the slow pass adds transformers."""
+    The default run serves the paged backend (auto's choice on CPU); the slow pass adds transformers.
+    It runs in float32, as the ``tiny_model`` reference its answers are checked against."""
     server = start_server(
         ["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-input-tokens", "512",
-         "--max-total-tokens", "1024", "--max-concurrent-requests", "16", "--backend", request.param],
+         "--max-total-tokens", "1024", "--max-concurrent-requests", "16", "--backend", request.param,
+         "--dtype", "float32"],
         tmp_path_factory.mktemp("server"),
     )
     server.backend = request.param

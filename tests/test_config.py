@@ -52,7 +52,7 @@ def test_legacy_max_input_length_sets_max_input_tokens():
     (["--max-total-tokens", "100", "--max-batch-total-tokens", "50"],
      "--max-batch-total-tokens (50) must be >= --max-total-tokens (100)"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be > 0"),
-    (["--dtype", "int3"], "--dtype must be float16, bfloat16 or float32"),
+    (["--dtype", "int3"], "--dtype must be auto, float16, bfloat16 or float32"),
     (["--enable-profiling"], "--enable-profiling needs --api-key"),
     (["--api-key", " "], "--api-key is empty"),
     (["--prometheus-port", "3000"], "--prometheus-port (3000) must differ from --port"),

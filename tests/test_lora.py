@@ -61,7 +61,7 @@ def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
                            "--backend", request.param, "--lora-adapters", listed, "--max-lora-rank", "16",
                            "--allow-adapter-loading", "--lora-adapter-dir", str(adapters["ad0"].parent),
-                           "--lora-adapter-dir", str(runtime)],
+                           "--lora-adapter-dir", str(runtime), "--dtype", "float32"],  # as the peft reference
                           tmp_path_factory.mktemp("lora"))
     server.backend = request.param
     server.runtime_dir = runtime
@@ -301,7 +301,7 @@ def test_an_adapter_on_smollm2_generates_what_peft_merged_model_does(tmp_path):
     adapter_dir = write_random_adapter(tmp_path / "smol-adapter", seed=7, rank=8, base_dir=base_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     server = start_server(["--model-id", str(base_dir), "--server", "uvicorn", "--max-total-tokens", "512",
-                           "--lora-adapters", f"smol={adapter_dir}"], tmp_path)
+                           "--lora-adapters", f"smol={adapter_dir}", "--dtype", "float32"], tmp_path)
     try:
         for prompt in PROMPTS[2:4]:
             with_adapter = greedy(server, "smol", prompt)

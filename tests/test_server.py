@@ -374,7 +374,8 @@ def test_paged_server_with_a_small_pool_preempts_and_still_answers_like_generate
     model, tokenizer = tiny_model
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--backend", "paged",
                            "--block-size", "4", "--max-batch-total-tokens", "96", "--max-total-tokens", "64",
-                           "--max-input-tokens", "16", "--max-batch-prefill-tokens", "16"], tmp_path)
+                           "--max-input-tokens", "16", "--max-batch-prefill-tokens", "16", "--dtype", "float32"],
+                          tmp_path)
     prompts = [p for p in PROMPTS if len(tokenizer(p)["input_ids"]) <= 16][:6]
     try:
         def one(prompt: str) -> list[int]:

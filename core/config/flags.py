@@ -48,7 +48,8 @@ _HELP = {
     "master_port": "port of rank 0 for torch.distributed (MASTER_PORT)",
     "quantize": ("quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 "
                  "(default: the checkpoint's quant_method, else none)"),
-    "dtype": "float16, bfloat16 or float32 (default: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": ("auto (the default), float16, bfloat16 or float32. auto: on CUDA bfloat16 (float16 where it has none); "
+              "on CPU bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32"),
     "trust_remote_code": "allow model code from the checkpoint",
     "max_concurrent_requests": "requests in flight (queued or running) before new ones get 429",
     "max_best_of": "largest best_of a request may ask for",

@@ -154,8 +154,8 @@ class Config:
             raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
         if self.enable_profiling and not self.api_key:
             raise ConfigError("--enable-profiling needs --api-key: a profile shows the server's insides")
-        if self.dtype not in (None, "float16", "bfloat16", "float32"):
-            raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype!r})")
+        if self.dtype not in (None, "auto", "float16", "bfloat16", "float32"):
+            raise ConfigError(f"--dtype must be auto, float16, bfloat16 or float32 (got {self.dtype!r})")
         for name in ("kv_memory_fraction", "cuda_memory_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in (0, 1] (got {getattr(self, name)})")

@@ -20,6 +20,7 @@ from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache, load_adapters
 from tokenmill.model.compile import try_compile
 from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
+from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
 from tokenmill.model.loading import (
     LoadedModel,
     ModelLoadError,
@@ -27,7 +28,6 @@ from tokenmill.model.loading import (
     generation_eos,
     load_model,
     pick_device,
-    pick_dtype,
     resolve_checkpoint,
 )
 from tokenmill.model.quantization import choose_quantizer
@@ -190,7 +190,9 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code),
         AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)), detail=str(path))
     device = pick_device()
-    dtype = pick_dtype(config.dtype, device)
+    choice = choose_dtype(config.dtype, device, checkpoint_dtype(path))
+    dtype = choice.dtype
+    log.info("dtype %s (%s)", choice.name, choice.reason)
     context = getattr(model_config, "max_position_embeddings", None)
 
     def queue_for(kv_tokens: int) -> SchedulerQueue:
@@ -209,7 +211,7 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     warm_up(engine, config, stages, min(vocab_size, len(tokenizer)))
     watch(engine, config)
     log.info("ready: %s on %s (%s backend)", display_id, device, chosen.backend.name)
-    loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done)
+    loaded = LoadedModel(None, tokenizer, display_id, path, dtype, device, stages.done, dtype_reason=choice.reason)
     # Such an engine keeps its own prefix cache, turned on and off by the same flag (vLLM's does).
     off = None if config.prefix_caching else PREFIX_CACHING_TURNED_OFF
     return Started(engine, loaded, chosen, vocab_size, config, prefix_caching_off=off)

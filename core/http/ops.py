@@ -144,6 +144,7 @@ class InfoRoute:
             "model_id": loaded.model_id if loaded else config.model_id,
             "model_sha": None,
             "model_dtype": str(loaded.dtype).replace("torch.", "") if loaded else config.dtype,
+            "model_dtype_reason": loaded.dtype_reason if loaded else None,
             "quantize": loaded.quantization if loaded else config.quantize,
             "num_shard": config.num_shard,
             "model_device_type": loaded.device.type if loaded else None,

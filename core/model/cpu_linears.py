@@ -5,8 +5,11 @@ instead keep each weight in its own blocked layout, laid out for the order its k
 reads it. On 2 cores, timing the matmuls of SmolLM2's 30 layers alone, that is about
 1.5× faster at one token a step and 1.2× at 32, and the 49k-row LM head is 2× faster; a
 whole decode step at batch 1 goes from 67 to 46 ms (``python -m bench latency``, with and
-without ``--no-prepack-weights``). bfloat16 already goes through oneDNN, so only float32
-models are packed.
+without ``--no-prepack-weights``). bfloat16 already goes through oneDNN's bf16 kernels, and
+packing its weights too made decode slower: SmolLM2 compiled, 200-token prompts, a decode step
+took 29.5 ms packed against 17.8 at batch 1, 58.9 against 53.9 at 32 and 103.4 against 104.8 at 64
+(``python -m bench latency --batch-size 1 32 64 --sequence-length 200 --decode-length 16``, with a
+one-off change that packed bf16 too). So only float32 models are packed.
 
 A packed layer keeps no dense ``weight``: code that needs the weights themselves (a
 quantizer, sharding, adapters) runs before packing, or with ``--no-prepack-weights``.

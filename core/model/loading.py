@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tokenmill.model import hub
+from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class LoadedModel:
     stages: list[dict[str, Any]] = field(default_factory=list)
     quantization: str | None = None
     """The quantizer that loaded or quantized the weights, or None."""
+    dtype_reason: str = ""
+    """Why the weights run in ``dtype`` (:class:`tokenmill.model.dtypes.DtypeChoice`)."""
 
 
 StageObserver = Callable[[str, float, str], None]
@@ -218,14 +221,6 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
-    if requested:
-        return getattr(torch, requested)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
 def resolve_checkpoint(model_id: str | None, revision: str | None, stages: Stages,
                        hub_cache: str | None = None) -> tuple[str, Path]:
     """The load stages that find the checkpoint: (its display id, a local checkpoint directory), a hub id
@@ -262,7 +257,9 @@ def load_model(
     stages = stages or Stages()
     display_id, path = resolve_checkpoint(model_id, revision, stages, hub_cache)
     device = pick_device()
-    dtype = pick_dtype(dtype_name, device)
+    choice = choose_dtype(dtype_name, device, checkpoint_dtype(path))
+    dtype = choice.dtype
+    log.info("dtype %s (%s)", choice.name, choice.reason)
     quantizer = pick_quantizer(path) if pick_quantizer else None
 
     def load() -> tuple[Any, Any]:
@@ -282,7 +279,7 @@ def load_model(
         done = stages.run("quantizing", lambda: quantizer.quantize(model), detail=quantizer.name)
         log.info("quantized with %s: %s", quantizer.name, done or "as loaded")
     return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done,
-                       quantizer.name if quantizer else None)
+                       quantizer.name if quantizer else None, choice.reason)
 
 
 def generation_eos(path: Any, model_config: Any) -> Any:

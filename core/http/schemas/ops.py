@@ -23,6 +23,8 @@ class Info(ResponseModel):
     model_id: str | None
     model_sha: str | None = None
     model_dtype: str | None = None
+    model_dtype_reason: str | None = None
+    """Why the weights run in model_dtype: --dtype, or what auto found on this device."""
     quantize: str | None = None
     num_shard: int | None = None
     model_device_type: str | None = None

@@ -113,7 +113,8 @@ def mirror_runner(runner: Any, setup: dict[str, Any]) -> MirroredRunner:
 def serve_rank(rank: int, world_size: int, config: Any) -> int:
     """A shard's life: join the group, load its slice, build the backend rank 0 describes, then replay
     every runner call rank 0 sends until it says stop (or the group breaks)."""
-    from tokenmill.model.loading import checkpoint_config, pick_device, pick_dtype
+    from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
+    from tokenmill.model.loading import checkpoint_config, pick_device
     from tokenmill.plugin_manager import build_plugin_manager, choose_all
 
     die_with_parent()
@@ -124,7 +125,7 @@ def serve_rank(rank: int, world_size: int, config: Any) -> int:
     init_group(rank, world_size, config.master_addr, config.master_port, device)
     path, model_config = checkpoint_config(config.model_id, config.revision)
     shard = plan_slice(model_config, rank, world_size)
-    dtype = pick_dtype(config.dtype, device)
+    dtype = choose_dtype(config.dtype, device, checkpoint_dtype(path)).dtype
     model = load_sharded(path, shard, model_config, dtype, device, "sdpa")
     setup = broadcast(None)
     if setup["disable_custom_kernels"]:

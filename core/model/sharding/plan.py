@@ -4,6 +4,7 @@ hold it, and loading only that slice from the checkpoint (rank 0's too, once the
 from __future__ import annotations
 
 import fnmatch
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.model.sharding.group import init_group
+
+log = logging.getLogger(__name__)
 
 
 class ShardingError(ValueError):
@@ -174,7 +177,8 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     """Rank 0's share of the model, as a LoadedModel: joins the group first (the shards wait for it)."""
     from transformers import AutoTokenizer
 
-    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device, pick_dtype
+    from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
+    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device
 
     device = pick_device()
     if device.type == "cuda":
@@ -186,7 +190,9 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     path, model_config = stages.run("resolving", lambda: checkpoint_config(config.model_id, config.revision),
                                     detail=str(config.model_id or "default"))
     shard = plan_slice(model_config, 0, world_size)
-    dtype = pick_dtype(config.dtype, device)
+    choice = choose_dtype(config.dtype, device, checkpoint_dtype(path))
+    dtype = choice.dtype
+    log.info("dtype %s (%s)", choice.name, choice.reason)
 
     def load() -> tuple[Any, nn.Module]:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
@@ -194,4 +200,5 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
 
     tokenizer, model = stages.run("loading weights", load,
                                   detail=f"{path} ({dtype}, {device}), shard 0 of {world_size}: heads {shard.heads}")
-    return LoadedModel(model, tokenizer, config.model_id or DEFAULT_MODEL_NAME, path, dtype, device, stages.done)
+    return LoadedModel(model, tokenizer, config.model_id or DEFAULT_MODEL_NAME, path, dtype, device, stages.done,
+                       dtype_reason=choice.reason)
