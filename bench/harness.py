@@ -48,6 +48,10 @@ SCENARIOS = {
                       about="about 3 minutes: tokenmill and the naive server at 1 and 8"),
     "vllm": Scenario("vllm", (1, 8, 32), ("vllm-cpu", "tokenmill-vllm"), time_bound_s=120,
                      about="vLLM's own server and tokenmill --backend vllm (the same engine) at 1, 8 and 32"),
+    "defaults": Scenario("defaults", (1, 8, 32, 64),
+                         ("tokenmill-paged", "vllm-cpu", "tokenmill-paged-fp32", "vllm-cpu-fp32"), time_bound_s=120,
+                         about="tokenmill and vLLM CPU each with its default dtype (bf16 on a CPU with native bf16), "
+                               "then both in float32, at 1, 8, 32 and 64"),
     "full": Scenario("full", (1, 8, 32, 64), tuple(peers.SYSTEMS), time_bound_s=120,
                      about="every system at 1, 8, 32 and 64 (about an hour with all peers installed)"),
 }
@@ -62,8 +66,8 @@ def load_prompts(tokenizer: Any) -> tuple[list[Prompt], dict[str, Any]]:
 
 
 def render(tokenizer: Any, prompt_id: str, messages: list[dict[str, str]]) -> Prompt:
-    return Prompt(prompt_id, messages, tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                     tokenize=False))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return Prompt(prompt_id, messages, text, len(tokenizer(text, add_special_tokens=False)["input_ids"]))
 
 
 def numbered(tokenizer: Any, prompts: list[Prompt], first: int, count: int) -> list[Prompt]:

@@ -63,17 +63,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-id", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--attention", default=None)
+    parser.add_argument("--dtype", default=None, help="as tokenmill launch's --dtype (default: auto)")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--sequence-length", type=int, default=10)
     parser.add_argument("--decode-length", type=int, default=8)
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
+                        help="as tokenmill launch: oneDNN-packed linear weights on CPU (float32 only)")
     parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
                         help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     most = max(args.batch_size)
-    config = Config(model_id=args.model_id, backend=args.backend, attention=args.attention,
+    config = Config(model_id=args.model_id, backend=args.backend, attention=args.attention, dtype=args.dtype,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,
                     max_batch_prefill_tokens=most * args.sequence_length,
                     max_input_tokens=args.sequence_length,
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_batch_total_tokens=most * (args.sequence_length + args.decode_length + 16))
     started = start_ignoring_eos(config)  # every sequence runs to its length
     engine = started.engine
-    print(f"{started.loaded.model_id}: {started.chosen.backend.name} backend, {started.chosen.attention.name} "
+    print(f"{started.loaded.model_id} in {started.loaded.dtype} ({started.loaded.dtype_reason}): "
+          f"{started.chosen.backend.name} backend, {started.chosen.attention.name} "
           f"attention, {torch.get_num_threads()} threads; prompt {args.sequence_length} tokens, "
           f"{args.decode_length} decode steps, mean of {args.runs} runs")
     print(f"{'batch':>5} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'p50 ms':>8} {'p95 ms':>8} "

@@ -34,6 +34,13 @@ def gflop_per_token(model: Any) -> float:
     return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) / 1e9
 
 
+def gflop_per_prompt_token(model: Any) -> float:
+    """:func:`gflop_per_token` without the LM head: a prompt position computes no logits (only the last
+    one does, which its output token already counts)."""
+    head = model.get_output_embeddings()
+    return gflop_per_token(model) - (2 * head.weight.numel() / 1e9 if head is not None else 0.0)
+
+
 @torch.no_grad()
 def decode_tokens_per_s(model: Any, batch: int, steps: int = 32, prompt_tokens: int = 64) -> dict[str, float]:
     from transformers import DynamicCache
@@ -64,6 +71,7 @@ def main() -> None:
     result = {"threads": torch.get_num_threads(), "matmul_gflops_fp32": matmul_gflops(),
               "matmul_gflops_bf16": matmul_gflops(dtype=torch.bfloat16),
               "gflop_per_token": gflop_per_token(model),
+              "gflop_per_prompt_token": gflop_per_prompt_token(model),
               "decode": [decode_tokens_per_s(model, batch, args.steps) for batch in args.batch]}
     result["arithmetic_bound_tokens_per_s"] = result["matmul_gflops_fp32"] / result["gflop_per_token"]
     if args.json:

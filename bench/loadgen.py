@@ -28,6 +28,8 @@ class Prompt:
     id: str
     messages: list[dict[str, str]]
     text: str
+    tokens: int = 0
+    """The text's length in the model's tokens (0: not counted)."""
 
 
 @dataclass
@@ -41,6 +43,8 @@ class RequestResult:
     ttft: float | None = None
     """Seconds from sending to the first streamed token."""
     latency: float | None = None
+    prompt_tokens: int = 0
+    """The prompt's tokens, counted once its first token arrived (the server then computed them)."""
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     """Seconds between consecutive streamed chunks, each divided by the tokens in the later one."""
@@ -67,6 +71,8 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)
     """Up to five distinct error messages, so a failing peer says why."""
     peak_rss_mib: float | None = None
+    prompt_tokens: int = 0
+    """Prompt tokens of the requests whose first token arrived: the prefill work the level did."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,6 +169,7 @@ async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_n
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - sent
+                        result.prompt_tokens = prompt.tokens
                     else:
                         result.gaps.append((now - last) / chunk.tokens)
                     last = now
@@ -238,4 +245,5 @@ def summarize(api: str, concurrency: int, results: list[RequestResult], wall_s: 
         ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
         itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95),
         latency_p50=percentile(latencies, 50), latency_p95=percentile(latencies, 95),
-        latency_p99=percentile(latencies, 99), errors=errors)
+        latency_p99=percentile(latencies, 99), errors=errors,
+        prompt_tokens=sum(r.prompt_tokens for r in results if not r.error))

@@ -110,7 +110,8 @@ def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batc
     results: dict[str, Any] = {}
     for scheduler in schedulers:
         system = peers.System(f"tokenmill-{scheduler}", "tgi", "fp32", peers._tokenmill(  # noqa: SLF001
-            "paged", "--scheduler", scheduler, "--max-batch-size", str(max_batch_size), *server_args))
+            "paged", "--dtype", "float32", "--scheduler", scheduler, "--max-batch-size", str(max_batch_size),
+            *server_args))
         log = BENCH_DIR / "out" / f"mixed-{scheduler}.log"
         print(f"{scheduler}: starting", flush=True)
         with peers.RunningServer(system, checkpoint, peers.DEFAULT_PEERS_DIR, log) as server:

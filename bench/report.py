@@ -42,6 +42,24 @@ def limit_tokens_per_s(run: dict[str, Any], level: int) -> float | None:
     return None
 
 
+def matmul_rate(run: dict[str, Any], system: str) -> float:
+    """The 2048² matmul rate (GFLOP/s) in the system's numeric format: bf16's for bf16, else fp32's."""
+    bf16 = run["systems"][system]["numeric_format"] == "bf16"
+    return run["limit"]["matmul_gflops_bf16" if bf16 else "matmul_gflops_fp32"]
+
+
+def matmul_gflops(run: dict[str, Any], system: str, level: int) -> float | None:
+    """The weight matmuls a level computed per second: its output tokens and the prompt tokens it
+    prefilled, each at its own cost (a prompt position computes no logits)."""
+    report = run["systems"][system].get("levels", {}).get(str(level))
+    if not report or not report.get("wall_s"):
+        return None
+    limit = run["limit"]
+    work = (report["output_tokens"] * limit["gflop_per_token"]
+            + report.get("prompt_tokens", 0) * limit["gflop_per_prompt_token"])
+    return work / report["wall_s"]
+
+
 def render_section(run: dict[str, Any]) -> str:
     """The markdown section of one scenario run, markers included."""
     name, levels = run["scenario"], run["concurrency"]
@@ -126,6 +144,10 @@ def ratio_lines(run: dict[str, Any], levels: list[int], columns: list[str]) -> l
         bound = run["limit"].get("arithmetic_bound_tokens_per_s")
         if bound:
             rows.append(["share of the arithmetic bound", *[_share(ours[c], bound) for c in levels]])
+        if run["limit"].get("gflop_per_prompt_token"):
+            rate = matmul_rate(run, BASELINE)
+            rows.append([f"share of the {run['systems'][BASELINE]['numeric_format']} matmul bound, prompts counted",
+                         *[_share(matmul_gflops(run, BASELINE, c), rate) for c in levels]])
     return ["", f"### `{BASELINE}` tokens/s divided by each system's", "", *_table(["against", *columns], rows)]
 
 

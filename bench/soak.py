@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     split = next(i for i in range(len(plan) + 1) if sum(burst if k == "burst" else 1 for k in plan[:i])
                  >= args.requests // 10)
     system = peers.System("tokenmill", "tgi", "fp32", peers._tokenmill(  # noqa: SLF001
-        args.backend, "--max-concurrent-requests", str(args.max_concurrent_requests),
+        args.backend, "--dtype", "float32", "--max-concurrent-requests", str(args.max_concurrent_requests),
         "--max-batch-total-tokens", str(args.kv_tokens), *shlex.split(args.server_args)))
     progress.say(f"start tokenmill (backend {args.backend}); {len(plan)} jobs, {args.requests} requests")
     started = time.monotonic()
