@@ -36,12 +36,12 @@ SMOLLM2 = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
 
 
 def decode_step(layers: int, kv_heads: int, head_dim: int, context_lens: list[int], shuffled: bool,
-                block_size: int = 16, seed: int = 0) -> PagedStep:
+                block_size: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> PagedStep:
     """One decode step's layout over a pool of ``layers`` layers of random keys and values, as the
     engine builds it: one pool and one block table for every layer."""
     generator = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // block_size) for n in context_lens)
-    pool = PagedPool(layers, blocks, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    pool = PagedPool(layers, blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
     if shuffled:
         free = list(pool.free_list)
         pool.free_list = deque(free[i] for i in torch.randperm(blocks, generator=generator).tolist())
@@ -111,8 +111,12 @@ def main() -> None:
     parser.add_argument("--layout", nargs="+", choices=["in-order", "shuffled"], default=["in-order", "shuffled"])
     parser.add_argument("--source", help="another version of core/native/paged_decode.cpp to time beside")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="of the KV pool and the queries")
     args = parser.parse_args()
-    print(f"decode attention over {SMOLLM2['layers']} layers, float32, {torch.get_num_threads()} threads; "
+    dtype = getattr(torch, args.dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    print(f"decode attention over {SMOLLM2['layers']} layers, {args.dtype}, {torch.get_num_threads()} threads; "
           f"median ms per step (KV read GB/s)")
     header = None
     for layout in args.layout:
@@ -120,14 +124,16 @@ def main() -> None:
             generator = torch.Generator().manual_seed(seqs)
             context_lens = torch.randint(args.context[0], args.context[1], (seqs,), generator=generator).tolist()
             step = decode_step(SMOLLM2["layers"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], context_lens,
-                               layout == "shuffled")
-            query = torch.randn(seqs, SMOLLM2["heads"], SMOLLM2["head_dim"], generator=generator)
+                               layout == "shuffled", dtype=dtype)
+            query = torch.randn(seqs, SMOLLM2["heads"], SMOLLM2["head_dim"], generator=generator).to(dtype)
             runs = peers(step, query, args.source)
             outputs = {name: run() for name, run in runs.items()}
             reference = outputs["sdpa"]
             for name, out in outputs.items():
-                torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4, msg=f"{name} disagrees with sdpa")
-            kv_bytes = 2 * sum(context_lens) * SMOLLM2["kv_heads"] * SMOLLM2["head_dim"] * 4 * SMOLLM2["layers"]
+                torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance,
+                                           msg=f"{name} disagrees with sdpa")
+            kv_bytes = (2 * sum(context_lens) * SMOLLM2["kv_heads"] * SMOLLM2["head_dim"] * dtype.itemsize
+                        * SMOLLM2["layers"])
             times = {name: median_ms(run, args.repeats) for name, run in runs.items()}
             if header is None:
                 header = list(times)
