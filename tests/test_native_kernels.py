@@ -45,8 +45,10 @@ def sdpa_reference(query, keys, values, tables, context_lens, window, scale):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3),
                                               (torch.float64, 1e-5)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("dim", [16, 12], ids=["eight-lane-dim", "other-dim"])
+@pytest.mark.parametrize("dim", [64, 16, 8, 12], ids=["bf16-pair-dim", "sixteen-lane-dim", "eight-lane-dim",
+                                                     "other-dim"])
 def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window, dim):
+    """Each dim takes the widest path the build has for it (see paged_decode.cpp's ``path_for``)."""
     context_lens = [1, 4, 5, 37, 200, 16]
     keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=dim, dtype=dtype)
     query = torch.randn(len(context_lens), 6, dim).to(dtype)

@@ -34,10 +34,21 @@ def _compiler_flags() -> tuple[str, list[str]]:
     """The build's name and flags: vector instructions only where this CPU has them (a
     different CPU gets its own build, never one it cannot run)."""
     capability = torch.backends.cpu.get_cpu_capability()
+    name = f"tokenmill_paged_decode_{capability.lower()}"
     flags = ["-O3", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    return f"tokenmill_paged_decode_{capability.lower()}", flags
+    if capability == "AVX512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if _has_avx512_bf16():
+            flags.append("-mavx512bf16")
+            name += "_bf16"
+    return name, flags
+
+
+def _has_avx512_bf16() -> bool:
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
 
 
 @functools.cache

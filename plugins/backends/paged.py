@@ -326,7 +326,11 @@ class PagedRunner(BackendRunner):
         try:
             # Weights as constants, so the oneDNN matmuls take them packed (inductor packs plain ones itself).
             # Set per call, not through compile options: the compile happens inside the first call.
-            with torch._inductor.config.patch(freezing=True):
+            # Once compiled, the guards are not evaluated again: every step has the same kinds of inputs (token
+            # ids, positions and kept rows of any length, the model unchanged), and checking the model's guards
+            # cost 1.4 ms a step, 9 % of a bf16 decode step of one sequence.
+            with torch._inductor.config.patch(freezing=True), \
+                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._compiled_ran):
                 out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         except Exception as error:  # noqa: BLE001 - a failed compile must not stop a server that can run eagerly
             if self._compiled_ran:

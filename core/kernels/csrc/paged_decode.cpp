@@ -10,7 +10,10 @@
 // (in memory order within each block), every head using a row while it is in L1; the layouts
 // tried before this one are in bench/RESULTS.md. Where torch reports AVX2 the build adds AVX2, FMA
 // and F16C; then the exponentials, and where dim is a multiple of 8 the dot products and the
-// value sums, run eight lanes at a time.
+// value sums, run eight lanes at a time. Where it reports AVX512 the build adds AVX512 F/BW/VL/DQ,
+// and the dot products and value sums run sixteen lanes at a time where dim is a multiple of 16;
+// where the CPU also has AVX512-BF16, bfloat16 scores are dot products of bfloat16 pairs
+// (vdpbf16ps: 32 products an instruction, summed in float32) where dim is a multiple of 32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,7 +28,52 @@
 #define TOKENMILL_AVX2 1
 #endif
 
+#if defined(TOKENMILL_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TOKENMILL_AVX512 1
+#endif
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_AVX512_BF16 1
+#endif
+
 namespace {
+
+#ifdef TOKENMILL_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+float dot16(const float* q, const T* row, int64_t dim) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(row + d), a);
+  return _mm512_reduce_add_ps(a);
+}
+
+template <typename T>
+void axpy16(float weight, const T* row, int64_t dim, float* acc) {
+  const __m512 w = _mm512_set1_ps(weight);
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(row + d), _mm512_loadu_ps(acc + d)));
+}
+#endif
+
+#ifdef TOKENMILL_AVX512_BF16
+// q . row for bfloat16 rows, dim a multiple of 32: each instruction multiplies 32 pairs and adds
+// them, in float32, into 16 lanes.
+inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* row, int64_t dim) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512i x = _mm512_loadu_si512(q + d), y = _mm512_loadu_si512(row + d);
+    a = _mm512_dpbf16_ps(a, reinterpret_cast<const __m512bh&>(x), reinterpret_cast<const __m512bh&>(y));
+  }
+  return _mm512_reduce_add_ps(a);
+}
+#endif
 
 #ifdef TOKENMILL_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -115,13 +163,53 @@ inline float exponentiate_scalar(float* scores, int64_t n) {
   return total;
 }
 
-// scores[h * n] = q[h] . row[(h / group) * dim] for each query head h.
+// How a row's dot products and value sums run: the widest path this build and dim allow.
+enum class Path { kScalar, kAvx2, kAvx512, kBf16Pairs };
+
 template <typename T>
-void score(bool vector, const float* q, const T* row, int64_t heads, int64_t group, int64_t dim, float* scores,
-           int64_t n) {
+Path path_for(int64_t dim) {
+#ifdef TOKENMILL_AVX512_BF16
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dim % 32 == 0) return Path::kBf16Pairs;
+  }
+#endif
+#ifdef TOKENMILL_AVX512
+  if constexpr (has_vector_loads<T>) {
+    if (dim % 16 == 0) return Path::kAvx512;
+  }
+#endif
 #ifdef TOKENMILL_AVX2
   if constexpr (has_vector_loads<T>) {
-    if (vector) {
+    if (dim % 8 == 0) return Path::kAvx2;
+  }
+#endif
+  return Path::kScalar;
+}
+
+// scores[h * n] = q[h] . row[(h / group) * dim] for each query head h. The bfloat16 pairs path reads
+// the unscaled query in bfloat16 (query_bf16) and scales each score after.
+template <typename T>
+void score(Path path, const float* q, const T* query_bf16, float scale, const T* row, int64_t heads, int64_t group,
+           int64_t dim, float* scores, int64_t n) {
+#ifdef TOKENMILL_AVX512_BF16
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (path == Path::kBf16Pairs) {
+      for (int64_t h = 0; h < heads; ++h) scores[h * n] = scale * dot_bf16(query_bf16 + h * dim, row + h / group * dim, dim);
+      return;
+    }
+  }
+#endif
+#ifdef TOKENMILL_AVX512
+  if constexpr (has_vector_loads<T>) {
+    if (path == Path::kAvx512) {
+      for (int64_t h = 0; h < heads; ++h) scores[h * n] = dot16(q + h * dim, row + h / group * dim, dim);
+      return;
+    }
+  }
+#endif
+#ifdef TOKENMILL_AVX2
+  if constexpr (has_vector_loads<T>) {
+    if (path == Path::kAvx2) {
       for (int64_t h = 0; h < heads; ++h) scores[h * n] = dot(q + h * dim, row + h / group * dim, dim);
       return;
     }
@@ -132,11 +220,19 @@ void score(bool vector, const float* q, const T* row, int64_t heads, int64_t gro
 
 // acc[h] += weights[h * n] * row[(h / group) * dim] for each query head h.
 template <typename T>
-void sum_values(bool vector, const float* weights, const T* row, int64_t heads, int64_t group, int64_t dim, float* acc,
+void sum_values(Path path, const float* weights, const T* row, int64_t heads, int64_t group, int64_t dim, float* acc,
                 int64_t n) {
+#ifdef TOKENMILL_AVX512
+  if constexpr (has_vector_loads<T>) {
+    if (path == Path::kAvx512 || path == Path::kBf16Pairs) {
+      for (int64_t h = 0; h < heads; ++h) axpy16(weights[h * n], row + h / group * dim, dim, acc + h * dim);
+      return;
+    }
+  }
+#endif
 #ifdef TOKENMILL_AVX2
   if constexpr (has_vector_loads<T>) {
-    if (vector) {
+    if (path != Path::kScalar) {
       for (int64_t h = 0; h < heads; ++h) axpy(weights[h * n], row + h / group * dim, dim, acc + h * dim);
       return;
     }
@@ -171,11 +267,7 @@ void decode_rows(const T* query, const T* keys, const T* values, const int32_t* 
                  T* out, int64_t seqs, const Shape& shape) {
   const int64_t group = shape.heads / shape.kv_heads, dim = shape.dim;
   const int64_t row = shape.kv_heads * dim;  // one position's keys (or values) for all KV heads
-#ifdef TOKENMILL_AVX2
-  const bool vector = dim % 8 == 0;
-#else
-  const bool vector = false;
-#endif
+  const Path path = path_for<T>(dim);
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(shape.heads * dim), acc(shape.heads * dim), scores, inverse(shape.heads);
     for (int64_t s = begin; s < end; ++s) {
@@ -187,12 +279,13 @@ void decode_rows(const T* query, const T* keys, const T* values, const int32_t* 
       for (int64_t i = 0; i < shape.heads * dim; ++i) q[i] = static_cast<float>(sequence_query[i]) * shape.scale;
       scores.resize(shape.heads * n);
       for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
-        score(vector, q.data(), keys + cache_row * row, shape.heads, group, dim, scores.data() + offset, n);
+        score(path, q.data(), sequence_query, shape.scale, keys + cache_row * row, shape.heads, group, dim,
+              scores.data() + offset, n);
       });
       for (int64_t h = 0; h < shape.heads; ++h) inverse[h] = 1.f / softmax_weights(scores.data() + h * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_position(table, first, length, shape.block_size, [&](int64_t offset, int64_t cache_row) {
-        sum_values(vector, scores.data() + offset, values + cache_row * row, shape.heads, group, dim, acc.data(), n);
+        sum_values(path, scores.data() + offset, values + cache_row * row, shape.heads, group, dim, acc.data(), n);
       });
       T* sequence_out = out + s * shape.heads * dim;
       for (int64_t i = 0; i < shape.heads * dim; ++i) sequence_out[i] = static_cast<T>(acc[i] * inverse[i / dim]);
