@@ -75,13 +75,14 @@ def servers(overlay_python, vllm_python, checkpoint, tmp_path_factory) -> Iterat
     (started side by side)."""
     logs = tmp_path_factory.mktemp("vllm-servers")
     system = replace(peers.SYSTEMS["vllm-cpu"], env=ENGINE_ENV,
-                     command=lambda *where: peers._vllm(*where) + ["--enforce-eager"])
+                     command=peers._vllm("--dtype", "float32", "--enforce-eager"))
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(peers.RunningServer, system, peers.Checkpoint(checkpoint), peers.DEFAULT_PEERS_DIR,
                                logs / "vllm.log")
         try:
             tokenmill = start_server(["--model-id", str(checkpoint), "--backend", "vllm", "--server", "uvicorn",
-                                      "--max-total-tokens", "4096", "--max-concurrent-requests", "64"],
+                                      "--max-total-tokens", "4096", "--max-concurrent-requests", "64",
+                                      "--dtype", "float32"],
                                      logs, python=str(overlay_python), ready_timeout=600,
                                      env={"TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0", **ENGINE_ENV})
         except BaseException:
