@@ -46,8 +46,9 @@ class Scenario:
 SCENARIOS = {
     "quick": Scenario("quick", (1, 8), ("tokenmill-paged", "naive-transformers"), time_bound_s=25, min_requests=8,
                       about="about 3 minutes: tokenmill and the naive server at 1 and 8"),
-    "vllm": Scenario("vllm", (1, 8, 32), ("vllm-cpu", "tokenmill-vllm"), time_bound_s=120,
-                     about="vLLM's own server and tokenmill --backend vllm (the same engine) at 1, 8 and 32"),
+    "vllm": Scenario("vllm", (1, 8, 32), ("vllm-cpu-fp32", "tokenmill-vllm"), time_bound_s=120,
+                     about="vLLM's own server and tokenmill --backend vllm (the same engine, both in float32) "
+                           "at 1, 8 and 32"),
     "defaults": Scenario("defaults", (1, 8, 32, 64),
                          ("tokenmill-paged", "vllm-cpu", "tokenmill-paged-fp32", "vllm-cpu-fp32"), time_bound_s=120,
                          about="tokenmill and vLLM CPU each with its default dtype (bf16 on a CPU with native bf16), "

@@ -98,8 +98,8 @@ def _vllm(*extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
 
 
 def default_format() -> str:
-    """What ``--dtype auto`` runs the float32 checkpoint in on this machine (tokenmill's and vLLM's CPU
-    default alike): bf16 where the CPU computes it natively."""
+    """What tokenmill's ``--dtype auto`` runs the float32 checkpoint in on this machine: bf16 where the CPU
+    computes it natively. (vLLM's CPU build takes bf16 on every x86 CPU: its ``supported_dtypes[0]``.)"""
     from tokenmill.model.dtypes import native_bf16_instructions
 
     return "bf16" if native_bf16_instructions() else "fp32"
@@ -122,14 +122,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("tokenmill-paged", "tgi", default_format(), _tokenmill("paged"),
            note="its default dtype (auto); its quality against fp32: `python -m bench dtype`"),
     System("tokenmill-paged-fp32", "tgi", "fp32", _tokenmill("paged", "--dtype", "float32")),
-    System("tokenmill-transformers", "tgi", "fp32", _tokenmill("transformers")),
+    System("tokenmill-transformers", "tgi", default_format(), _tokenmill("transformers"),
+           note="its default dtype (auto)"),
     System("naive-transformers", "chat", "fp32", _naive,
            note="one model.generate() per request behind a lock"),
     System("transformers-serve", "chat", "fp32", _transformers_serve(False), venv="transformers-serve",
            model_is_path=True),
     System("transformers-serve-cb", "chat", "fp32", _transformers_serve(True), venv="transformers-serve",
            model_is_path=True,           note=f"--continuous-batching, {KV_CACHE_GIB} GiB of KV blocks"),
-    System("vllm-cpu", "chat", default_format(), _vllm(), venv="vllm",
+    System("vllm-cpu", "chat", "bf16", _vllm(), venv="vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, its default dtype (auto)"),
     System("vllm-cpu-fp32", "chat", "fp32", _vllm("--dtype", "float32"), venv="vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, --dtype float32"),

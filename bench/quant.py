@@ -77,7 +77,7 @@ def measure(config: Any, texts: list[str], concurrency: list[int], new_tokens: i
 
     # Quality on the model as loaded (the paged engine takes its attention over afterwards).
     pm = build_plugin_manager(autoload=False)
-    loaded = load_model(config.model_id, None, None, "sdpa",
+    loaded = load_model(config.model_id, None, config.dtype, "sdpa",
                         pick_quantizer=lambda path: choose_quantizer(pm, config.quantize, path))
     tokenizer = loaded.tokenizer
     logprobs = teacher_forced(loaded.model, tokenizer, texts)
@@ -105,13 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     texts = text_set()
     with tempfile.TemporaryDirectory() as scratch:
         packed = checkpoints(source, Path(scratch))
-        rows = {"float32": measure(Config(model_id=str(source), backend="paged"), texts, args.concurrency,
-                                   args.new_tokens, None)}
+        rows = {"float32": measure(Config(model_id=str(source), backend="paged", dtype="float32"), texts,
+                                   args.concurrency, args.new_tokens, None)}
         reference = rows["float32"]["logprobs"]
         for method in args.methods:
             path = packed.get(method, source)
             flag = None if method in packed else method
-            rows[method] = measure(Config(model_id=str(path), backend="paged", quantize=flag), texts,
+            rows[method] = measure(Config(model_id=str(path), backend="paged", quantize=flag, dtype="float32"), texts,
                                    args.concurrency, args.new_tokens, reference)
             gc.collect()
     base = rows["float32"]

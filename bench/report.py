@@ -143,6 +143,7 @@ def ratio_lines(run: dict[str, Any], levels: list[int], columns: list[str]) -> l
         rows.append([f"share of the {LIMIT_ROW}", *[_share(ours[c], limit_tokens_per_s(run, c)) for c in levels]])
         bound = run["limit"].get("arithmetic_bound_tokens_per_s")
         if bound:
+            # fp32's rate, output tokens only: the same row for every run, whatever the baseline's dtype
             rows.append(["share of the arithmetic bound", *[_share(ours[c], bound) for c in levels]])
         if run["limit"].get("gflop_per_prompt_token"):
             rate = matmul_rate(run, BASELINE)

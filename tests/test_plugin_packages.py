@@ -50,7 +50,7 @@ def example_server(example_venv, tiny_model_dir, unbanned, tmp_path_factory) -> 
     banned = banned_words_of(" ".join(unbanned.values()))
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "2048",
                            "--scheduler", "shortest-prompt-first", "--max-batch-size", "1",
-                           "--stream-buffer-tokens", "2"],
+                           "--stream-buffer-tokens", "2", "--dtype", "float32"],  # as the unbanned reference
                           tmp_path_factory.mktemp("example"), python=str(example_venv),
                           env={"TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0",
                                "TOKENMILL_EXAMPLE_BANNED_WORDS": ",".join(banned)})

@@ -30,9 +30,10 @@ def turn_off(reason: str) -> None:
     _turned_off = reason
 
 
-def _compiler_flags() -> tuple[str, list[str]]:
+def _compiler_flags(bf16: bool = True) -> tuple[str, list[str]]:
     """The build's name and flags: vector instructions only where this CPU has them (a
-    different CPU gets its own build, never one it cannot run)."""
+    different CPU gets its own build, never one it cannot run). ``bf16``: AVX512-BF16 too, where
+    the CPU has it."""
     capability = torch.backends.cpu.get_cpu_capability()
     name = f"tokenmill_paged_decode_{capability.lower()}"
     flags = ["-O3", "-fopenmp"]
@@ -40,7 +41,7 @@ def _compiler_flags() -> tuple[str, list[str]]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-        if _has_avx512_bf16():
+        if bf16 and _has_avx512_bf16():
             flags.append("-mavx512bf16")
             name += "_bf16"
     return name, flags
@@ -62,7 +63,15 @@ def _load() -> tuple[Any, str | None]:
         from torch.utils.cpp_extension import load
 
         name, flags = _compiler_flags()
-        module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        try:
+            module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception:
+            if "-mavx512bf16" not in flags:
+                raise
+            # A compiler without AVX512-BF16 (GCC before 10) still builds every other path.
+            log.warning("building the native kernels with AVX512-BF16 failed; building them without it")
+            name, flags = _compiler_flags(bf16=False)
+            module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         return module, None
     except Exception as error:  # noqa: BLE001 - a failed build means the plain path, said once
         return None, f"building them failed: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"

@@ -5,8 +5,9 @@ On CPU, bfloat16 halves the bytes every matmul reads and, where the CPU has bflo
 (AVX512-BF16 or AMX), oneDNN multiplies it at about 2.3× float32's rate (on this project's 2-core
 machines, 409 GFLOP/s against 176). Without those instructions bfloat16 is emulated and slower than
 float32, so ``auto`` keeps float32 there. float16 has no fast CPU kernels at all: a float16
-checkpoint runs in bfloat16 (same size, float32's range) or float32. vLLM's CPU build, TGI's CPU
-image and Intel's extension make the same choice.
+checkpoint runs in bfloat16 (same size, float32's range) or float32. vLLM's CPU build defaults to
+bfloat16 on every x86 CPU; TGI's CPU image and Intel's extension take bfloat16 where the CPU has it
+natively, as ``auto`` does.
 """
 
 from __future__ import annotations
