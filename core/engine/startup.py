@@ -20,7 +20,7 @@ from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache, load_adapters
 from tokenmill.model.compile import try_compile
 from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
-from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
+from tokenmill.model.dtypes import checkpoint_choice
 from tokenmill.model.loading import (
     LoadedModel,
     ModelLoadError,
@@ -190,9 +190,8 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code),
         AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)), detail=str(path))
     device = pick_device()
-    choice = choose_dtype(config.dtype, device, checkpoint_dtype(path))
+    choice = checkpoint_choice(config.dtype, device, path)
     dtype = choice.dtype
-    log.info("dtype %s (%s)", choice.name, choice.reason)
     context = getattr(model_config, "max_position_embeddings", None)
 
     def queue_for(kv_tokens: int) -> SchedulerQueue:

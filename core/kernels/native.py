@@ -62,17 +62,18 @@ def _load() -> tuple[Any, str | None]:
     try:
         from torch.utils.cpp_extension import load
 
-        name, flags = _compiler_flags()
+        def build(bf16: bool) -> Any:
+            name, flags = _compiler_flags(bf16)
+            return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
         try:
-            module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            return build(bf16=True), None
         except Exception:
-            if "-mavx512bf16" not in flags:
+            if _compiler_flags(bf16=True) == _compiler_flags(bf16=False):
                 raise
             # A compiler without AVX512-BF16 (GCC before 10) still builds every other path.
             log.warning("building the native kernels with AVX512-BF16 failed; building them without it")
-            name, flags = _compiler_flags(bf16=False)
-            module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-        return module, None
+            return build(bf16=False), None
     except Exception as error:  # noqa: BLE001 - a failed build means the plain path, said once
         return None, f"building them failed: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
 

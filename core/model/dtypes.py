@@ -71,6 +71,13 @@ def checkpoint_dtype(path: Path | None) -> str | None:
     return stored if stored in NAMES else None
 
 
+def checkpoint_choice(requested: str | None, device: torch.device, path: Path) -> DtypeChoice:
+    """:func:`choose_dtype` for the checkpoint at ``path`` (its stored dtype read from its config), logged."""
+    choice = choose_dtype(requested, device, checkpoint_dtype(path))
+    log.info("dtype %s (%s)", choice.name, choice.reason)
+    return choice
+
+
 def choose_dtype(requested: str | None, device: torch.device, stored: str | None = None,
                  native_bf16: str | None | bool = True) -> DtypeChoice:
     """The weights' dtype: ``requested`` (``--dtype``; None or "auto" chooses) on ``device``, for a

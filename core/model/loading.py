@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tokenmill.model import hub
-from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
+from tokenmill.model.dtypes import checkpoint_choice
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +257,8 @@ def load_model(
     stages = stages or Stages()
     display_id, path = resolve_checkpoint(model_id, revision, stages, hub_cache)
     device = pick_device()
-    choice = choose_dtype(dtype_name, device, checkpoint_dtype(path))
+    choice = checkpoint_choice(dtype_name, device, path)
     dtype = choice.dtype
-    log.info("dtype %s (%s)", choice.name, choice.reason)
     quantizer = pick_quantizer(path) if pick_quantizer else None
 
     def load() -> tuple[Any, Any]:

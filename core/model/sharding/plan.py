@@ -4,7 +4,6 @@ hold it, and loading only that slice from the checkpoint (rank 0's too, once the
 from __future__ import annotations
 
 import fnmatch
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.model.sharding.group import init_group
-
-log = logging.getLogger(__name__)
 
 
 class ShardingError(ValueError):
@@ -177,7 +174,7 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     """Rank 0's share of the model, as a LoadedModel: joins the group first (the shards wait for it)."""
     from transformers import AutoTokenizer
 
-    from tokenmill.model.dtypes import checkpoint_dtype, choose_dtype
+    from tokenmill.model.dtypes import checkpoint_choice
     from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device
 
     device = pick_device()
@@ -190,9 +187,8 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     path, model_config = stages.run("resolving", lambda: checkpoint_config(config.model_id, config.revision),
                                     detail=str(config.model_id or "default"))
     shard = plan_slice(model_config, 0, world_size)
-    choice = choose_dtype(config.dtype, device, checkpoint_dtype(path))
+    choice = checkpoint_choice(config.dtype, device, path)
     dtype = choice.dtype
-    log.info("dtype %s (%s)", choice.name, choice.reason)
 
     def load() -> tuple[Any, nn.Module]:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
