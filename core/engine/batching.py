@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tokenmill.engine.output import Output
 from tokenmill.engine.scheduling import GuardedQueue
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.speculation import Speculator
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,13 @@ Fail = Callable[[list[Sequence], str], None]
 @dataclass(frozen=True)
 class StepPlan:
     """One step's work: the sequences that prefill (with how many of their pending tokens each)
-    and those that decode one token."""
+    and those that decode one token, or more where they have a draft to verify."""
 
     prefill: tuple[Sequence, ...]
     chunks: tuple[int, ...]
     decode: tuple[Sequence, ...]
+    drafts: tuple[tuple[int, ...], ...] = ()
+    """With ``--speculate``: per decoding sequence, the draft tokens fed after its newest (``()``: none drafts)."""
 
     @property
     def empty(self) -> bool:
@@ -67,6 +70,8 @@ class Batch:
         cache ..."""
         self.prefix_hit_tokens = 0
         """... and of those, the tokens found there."""
+        self.speculator: Speculator | None = None
+        """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
 
     @property
     def queue(self) -> SchedulerQueue:
@@ -88,7 +93,10 @@ class Batch:
         self._make_room_for_decode()
         self._preempt_for_waiting()
         prefill = self._plan_prefill()
-        return StepPlan(tuple(s for s, _ in prefill), tuple(n for _, n in prefill), tuple(self.decoding()))
+        decode = tuple(self.decoding())
+        chunks = tuple(n for _, n in prefill)
+        drafts = self.speculator.propose(decode, sum(chunks)) if self.speculator is not None and decode else ()
+        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, drafts)
 
     def decoding(self) -> list[Sequence]:
         """The running sequences that decode this step: not those whose reader lags behind

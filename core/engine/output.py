@@ -23,6 +23,7 @@ from tokenmill.engine.sequence import (
     TokenEvent,
     TokenInfo,
 )
+from tokenmill.engine.speculation import draft_state
 from tokenmill.engine.stops import StopMatcher
 from tokenmill.sampling.grammar import batch_allowed
 from tokenmill.sampling.sampler import SequenceSampler, prompt_scores
@@ -101,9 +102,14 @@ class Output:
         seq.prefill_tokens = self.prompt_token_infos(seq.prompt_ids, logprobs)
         seq.prefill_top_tokens = [[self.token_info(i, lp) for i, lp in top] for top in tops]
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[tuple[int, ...]] | None = None,
+               draft_logits: list[torch.Tensor] | None = None) -> list[Sequence]:
         """Choose each sequence's next token from its row of ``logits`` and hand it on; the
-        sequences that finished (or failed, or were cancelled) are returned."""
+        sequences that finished (or failed, or were cancelled) are returned.
+
+        A sequence with a draft (``drafts[row]``, and ``draft_logits[row]`` the logits after each of its
+        tokens) goes on choosing from those while each token chosen equals the draft's: its tokens
+        are the very ones single steps would have chosen, greedy or sampled (see :meth:`_choose_through`)."""
         finished = []
         masks = self.grammar_masks(seqs)
         for row, seq in enumerate(seqs):
@@ -111,16 +117,40 @@ class Output:
                 finished.append(seq)
                 continue
             try:
-                state: SequenceState = seq.state
-                history = seq.token_ids if state.sampler.needs_history else []
-                choice = state.sampler.choose(history, logits[row], masks.get(seq.id))
-                if self.accept_token(seq, choice.token_id, choice.logprob, choice.top):
+                draft = drafts[row] if drafts else ()
+                rows = draft_logits[row] if draft else None
+                if self._choose_through(seq, logits[row], masks.get(seq.id), draft, rows):
                     finished.append(seq)
             except Exception as error:  # noqa: BLE001 - one request's failure stays its own
                 log.exception("sequence %d failed", seq.id)
                 emit(seq, ErrorEvent(f"generation failed: {type(error).__name__}: {error}"))
                 finished.append(seq)
         return finished
+
+    def _choose_through(self, seq: Sequence, logits: torch.Tensor, mask: torch.Tensor | None,
+                        draft: tuple[int, ...], draft_logits: torch.Tensor | None) -> bool:
+        """Choose ``seq``'s token from ``logits``; while it equals the draft's next token, choose the one
+        after it from the logits after that draft token. True when the sequence finished.
+
+        Each choice is the sampler's own, one draw of its generator per token, with the penalties,
+        grammar, stops and limits of the tokens before it. A draft token is kept exactly when the choice
+        equals it: that is the speculative-sampling rule for a draft that proposes one token for sure
+        (kept with probability p(token), else the choice follows p without it), so outputs keep their
+        distribution, and a seeded request gets the same tokens with and without speculation."""
+        sampler = seq.state.sampler
+        if draft:
+            draft_state(seq).drafted += len(draft)
+        for position in range(len(draft) + 1):
+            if position:  # the draft's token before this position was the choice
+                seq.speculation.accepted += 1
+            row = logits if position == 0 else draft_logits[position - 1]  # type: ignore[index]
+            history = seq.token_ids if sampler.needs_history else []
+            choice = sampler.choose(history, row, mask if position == 0 else None)
+            if self.accept_token(seq, choice.token_id, choice.logprob, choice.top):
+                return True
+            if position == len(draft) or choice.token_id != draft[position]:
+                return False
+        return False
 
     @staticmethod
     def grammar_masks(seqs: list[Sequence]) -> dict[int, torch.Tensor]:
@@ -196,4 +226,6 @@ class Output:
             queue_seconds=admitted - seq.arrived_at,
             inference_seconds=now - admitted,
             cached_tokens=seq.cached_tokens,
+            draft_tokens=seq.speculation.drafted if seq.speculation is not None else 0,
+            accepted_tokens=seq.speculation.accepted if seq.speculation is not None else 0,
         )

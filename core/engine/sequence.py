@@ -97,6 +97,10 @@ class FinalResult:
     """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
     prefill_top: list[list[TokenInfo]] = field(default_factory=list)
     """The top tokens at each prompt position, as ``prefill`` (empty unless asked for with ``top_n_tokens``)."""
+    draft_tokens: int = 0
+    """With ``--speculate``: draft tokens the model checked for this sequence ..."""
+    accepted_tokens: int = 0
+    """... and tokens it produced beyond one a step thanks to them (TGI's skipped tokens)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -158,6 +162,8 @@ class Sequence:
         self.state: Any = None
         """The engine's per-sequence state (``tokenmill.engine.output.SequenceState``: sampler,
         detokenizer), set when admitted."""
+        self.speculation: Any = None
+        """Its drafting with ``--speculate`` (``tokenmill.engine.speculation.DraftState``), set when it first drafts."""
 
     @property
     def prompt_len(self) -> int:

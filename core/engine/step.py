@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from tokenmill.engine.batching import Batch, Fail, Release, StepPlan
 from tokenmill.engine.output import Output
-from tokenmill.engine.timing import StepClock, StepTiming
+from tokenmill.engine.speculation import Speculator
+from tokenmill.engine.timing import Speculated, StepClock, StepTiming
 from tokenmill.interfaces import StepOutput
 
 log = logging.getLogger(__name__)
@@ -36,12 +39,13 @@ class StepExecution:
                 self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
             return clock.timing(ok=bool(isolated))
         clock.forwarded()
-        self.sample(plan, out)
-        return clock.timing(ok=out.prefill_error is None)
+        speculated = self.sample(plan, out)
+        return clock.timing(ok=out.prefill_error is None, speculated=speculated)
 
     def forward(self, plan: StepPlan) -> StepOutput:
-        return self.batch.runner.step(list(plan.prefill), list(plan.chunks),
-                                      [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
+        runner = self.batch.runner
+        args = (list(plan.prefill), list(plan.chunks), [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
+        return runner.step(*args, drafts=list(plan.drafts)) if plan.drafts else runner.step(*args)
 
     def isolate(self, plan: StepPlan) -> bool | None:
         """After a failed step, where the backend can run any subset of it: run each prefill chunk
@@ -51,7 +55,7 @@ class StepExecution:
         step cannot be split (nothing was done)."""
         parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
         if plan.decode:
-            parts.append(StepPlan((), (), plan.decode))
+            parts.append(StepPlan((), (), plan.decode, plan.drafts))
         if not self.batch.runner.pausable or len(parts) < 2:
             return None
         ran = False
@@ -67,11 +71,16 @@ class StepExecution:
             ran = True
         return ran
 
-    def sample(self, plan: StepPlan, out: StepOutput) -> None:
-        """Sample the step's tokens from its logits and hand them to their sequences."""
+    def sample(self, plan: StepPlan, out: StepOutput) -> Speculated | None:
+        """Sample the step's tokens from its logits and hand them to their sequences; with drafts, what
+        speculation gave."""
+        speculated = None
         if plan.decode:
             assert out.decode_logits is not None
-            self.release(self.output.sample(list(plan.decode), out.decode_logits))
+            if plan.drafts and out.draft_logits is not None:
+                speculated = self.verify(plan, out.decode_logits, out.draft_logits)
+            else:
+                self.release(self.output.sample(list(plan.decode), out.decode_logits))
         if out.prefill_error is not None:
             error = out.prefill_error
             log.error("prefill failed: %s: %s", type(error).__name__, error)
@@ -81,4 +90,20 @@ class StepExecution:
             done, rows = self.batch.prefilled(plan, out.prefill)
             if done:
                 self.release(self.output.sample(done, out.prefill.last_logits[rows]))
+        return speculated
+
+    def verify(self, plan: StepPlan, logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> Speculated:
+        """Choose the decoding sequences' tokens through their drafts, then drop the KV of rejected drafts."""
+        decode = list(plan.decode)
+        fed = [plan.drafts[row][: len(rows)] for row, rows in enumerate(draft_logits)]
+        before = [len(seq.generated_ids) for seq in decode]
+        finished = self.output.sample(decode, logits, fed, draft_logits)
+        produced = [len(seq.generated_ids) - n for seq, n in zip(decode, before)]
+        for seq, draft, count in zip(decode, fed, produced):
+            if draft:
+                Speculator.observe(seq, count)
+        self.batch.runner.rollback([seq for seq, draft in zip(decode, fed) if draft])  # before those that ended go
+        self.release(finished)
+        skipped = tuple(max(0, count - 1) for draft, count in zip(fed, produced) if draft)
+        return Speculated(sum(len(d) for d in fed), sum(skipped), skipped)
 

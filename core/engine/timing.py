@@ -17,6 +17,18 @@ class StepTiming:
     forward_seconds: float
     step_seconds: float
     ok: bool
+    speculated: Speculated | None = None
+    """What drafts gave in it (``--speculate``), or None when no sequence drafted."""
+
+
+@dataclass(frozen=True)
+class Speculated:
+    """A step's drafts: tokens the model checked, tokens they added, and per drafting sequence, its added tokens."""
+
+    drafted: int
+    accepted: int
+    skipped: tuple[int, ...]
+    """TGI's ``tgi_request_skipped_tokens``: per sequence that drafted, the tokens it got beyond one."""
 
 
 class StepClock:
@@ -29,6 +41,7 @@ class StepClock:
     def forwarded(self) -> None:
         self.forwarded_at = time.perf_counter()
 
-    def timing(self, ok: bool) -> StepTiming:
+    def timing(self, ok: bool, speculated: Speculated | None = None) -> StepTiming:
         ended = time.perf_counter()
-        return StepTiming(self.method, self.prefilling, self.forwarded_at - self.started, ended - self.started, ok)
+        return StepTiming(self.method, self.prefilling, self.forwarded_at - self.started, ended - self.started, ok,
+                          speculated)

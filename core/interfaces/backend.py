@@ -37,6 +37,9 @@ class StepOutput:
     """``[len(decode), vocab]``: the logits after each decoding sequence's newest token."""
     prefill_error: Exception | None = None
     """Set by a backend that runs prefill apart from decode when only the prefill failed."""
+    draft_logits: list[torch.Tensor] | None = None
+    """With drafts: per decoding sequence, ``[m, vocab]``, the logits after each of the first ``m`` tokens of
+    its draft that it fed (``m`` may be fewer than drafted, 0 included, where KV memory was short)."""
 
 
 class BackendRunner(Protocol):
@@ -50,13 +53,22 @@ class BackendRunner(Protocol):
     kv_block_size: int
     """Positions per KV block (1 where memory is not counted in blocks)."""
 
+    speculative: bool = False
+    """Whether :meth:`step` takes ``drafts`` and the runner answers :meth:`rollback` (``--speculate``)."""
+
     def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
-             decode: list[Sequence]) -> StepOutput:
+             decode: list[Sequence], drafts: list[tuple[int, ...]] | None = None) -> StepOutput:
         """One engine step. For each ``prefill`` sequence, compute its next ``chunks[i]`` uncomputed
         tokens (its prompt, and after a preemption the tokens it had generated too) and keep their
-        KV; for each ``decode`` sequence, feed its newest token. Both in one forward pass where the
-        backend can."""
+        KV; for each ``decode`` sequence, feed its newest token, then (a ``speculative`` runner, when
+        ``drafts`` is given) the tokens of ``drafts[i]``, and return the logits after each
+        (:attr:`StepOutput.draft_logits`). Both in one forward pass where the backend can."""
         ...
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        """(``speculative``) After a step with drafts, once the engine appended the tokens it kept: drop the
+        KV of each sequence's positions from its ``num_computed`` on that the step wrote (rejected
+        drafts), so that its KV memory holds only tokens it kept."""
 
     def can_decode(self, seqs: list[Sequence]) -> bool:
         """Whether KV memory holds one more token for each of ``seqs`` (else the engine preempts)."""

@@ -31,7 +31,12 @@ class PaddedKVCache(Protocol):
 
 @runtime_checkable
 class BlockPool(Protocol):
-    """KV storage in fixed-size blocks shared by all sequences (the paged layout)."""
+    """KV storage in fixed-size blocks shared by all sequences (the paged layout).
+
+    A pool may also offer ``truncate(seq_id, tokens)``: keep only the sequence's first ``tokens``
+    positions, zeroing the rest of the block that holds the last of them and freeing the blocks after
+    it. The paged runner calls it to drop rejected drafts (``--speculate``); without it they stay
+    until overwritten, never read (a sequence's context length masks them)."""
 
     block_size: int
     num_blocks: int

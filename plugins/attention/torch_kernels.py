@@ -94,21 +94,35 @@ def decode_groups(context_blocks: dict[int, int]) -> list[list[int]]:
     return [sorted(group) for group in groups]  # in step order: one group's output needs no reordering
 
 
+SHORT_QUERY = 8
+"""Rows of at most this many query tokens (a decoding sequence's newest token and its draft, a short
+chunk) attend as decode rows: with the native kernel one kernel row per query token, with SDPA in the
+padded decode groups. Longer ones are prompt chunks, each in its own SDPA call."""
+
+
 def _native_decode_plan(step: PagedStep, rows: list[int]) -> dict[str, Any]:
-    """All decode rows in one call of the native kernel, which reads each sequence's own blocks."""
+    """All decode rows in one call of the native kernel, which reads each sequence's own blocks. A row of
+    several query tokens becomes one kernel row per token, each seeing the context up to its own position."""
     device = step.slot_mapping.device
-    index = torch.tensor(rows, device=device)
-    return {"native": True, "tokens": torch.tensor([step.query_starts[r] for r in rows], device=device),
-            "block_tables": step.block_tables.index_select(0, index),
-            "context_lens": torch.tensor([step.context_lens[r] for r in rows], device=device)}
+    tokens, tables, contexts = [], [], []
+    for row in rows:
+        length, context = step.query_lens[row], step.context_lens[row]
+        for offset in range(length):
+            tokens.append(step.query_starts[row] + offset)
+            tables.append(row)
+            contexts.append(context - length + 1 + offset)
+    return {"native": True, "tokens": torch.tensor(tokens, device=device),
+            "block_tables": step.block_tables.index_select(0, torch.tensor(tables, device=device)),
+            "context_lens": torch.tensor(contexts, device=device)}
 
 
 def _step_plan(step: PagedStep, sliding_window: int | None, native: bool) -> list[dict[str, Any]]:
-    """Decode tokens in groups of similar context length (or all in one native call); each
-    prefill chunk in its own group, so that no sequence is padded to another's prompt length."""
+    """Decode rows (short ones: :data:`SHORT_QUERY`) in groups of similar context length (or all in one
+    native call); each prefill chunk in its own group, so that no sequence is padded to another's prompt length."""
     block_size = step.pool.block_size
-    decoding = {r: blocks_for(step.context_lens[r], block_size) for r, n in enumerate(step.query_lens) if n == 1}
-    prefilling = [r for r, n in enumerate(step.query_lens) if n > 1]
+    decoding = {r: blocks_for(step.context_lens[r], block_size)
+                for r, n in enumerate(step.query_lens) if n <= SHORT_QUERY}
+    prefilling = [r for r, n in enumerate(step.query_lens) if n > SHORT_QUERY]
     plans = [_group_plan(step, [r], sliding_window) for r in prefilling]
     if native and decoding:
         return [_native_decode_plan(step, sorted(decoding))] + plans

@@ -90,6 +90,21 @@ class PagedPool(CachingBlockPool):
                 else:
                     self.free_list.append(block)
 
+    def truncate(self, seq_id: int, tokens: int) -> None:
+        table = self.tables.get(seq_id)
+        if not table:
+            return
+        keep = blocks_for(tokens, self.block_size)
+        for block in reversed(table[keep:]):  # past every named block: none is cached
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_list.append(block)
+        del table[keep:]
+        offset = tokens % self.block_size
+        if offset and table:
+            for tensor in self.keys + self.values:
+                tensor[table[-1], offset:] = 0
+
     def free_all(self) -> None:
         for seq_id in list(self.tables):
             self.free(seq_id)

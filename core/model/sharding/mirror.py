@@ -53,11 +53,12 @@ class MirroredRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def step(self, prefill: list[Any], chunks: list[int], want_prompt_logits: list[bool], decode: list[Any]) -> Any:
+    def step(self, prefill: list[Any], chunks: list[int], want_prompt_logits: list[bool], decode: list[Any],
+             drafts: list[tuple[int, ...]] | None = None) -> Any:
         broadcast(("step", [SequenceView.of(s, True) for s in prefill], list(chunks), list(want_prompt_logits),
-                   [SequenceView.of(s, False) for s in decode]))
+                   [SequenceView.of(s, False) for s in decode], drafts))
         try:
-            out = self.inner.step(prefill, chunks, want_prompt_logits, decode)
+            out = self.inner.step(prefill, chunks, want_prompt_logits, decode, drafts)
         except BaseException as error:
             fatal(f"a sharded step failed on rank 0 ({type(error).__name__}: {error})")
         if out.prefill_error is not None:
@@ -78,6 +79,11 @@ class MirroredRunner:
         broadcast(("reset_prefix_cache",))
         return self.inner.reset_prefix_cache()
 
+    def rollback(self, seqs: list[Any]) -> None:
+        """The shards keep the same drafts as rank 0: its sequences' lengths now say which."""
+        broadcast(("rollback", [SequenceView.of(s, False) for s in seqs]))
+        self.inner.rollback(seqs)
+
     def release(self, seqs: list[Any]) -> None:
         broadcast(("release", [SequenceView.of(s, False) for s in seqs]))
         self.inner.release(seqs)
@@ -96,6 +102,8 @@ def replay(runner: Any, message: tuple[Any, ...]) -> None:
         runner.step(*message[1:])
     elif kind == "release":
         runner.release(message[1])
+    elif kind == "rollback":
+        runner.rollback(message[1])
     elif kind == "reset":
         runner.reset()
     elif kind == "plan_prefill":

@@ -1,24 +1,18 @@
 """The ``paged`` and ``flash`` backends: packed steps over a block pool, on the unmodified model.
 
-Each step packs the tokens of every scheduled sequence (prefill chunks and single
-decode tokens) into one row, with each token's own position. The model runs with
-transformers' attention routed, through ``AttentionInterface``, to
-:func:`paged_attention_forward`: it writes the step's keys and values into the
-sequences' blocks and lets the attention kernel plugin attend, per sequence, over
-its own blocks. Any model whose layers use that interface runs this way.
-``flash`` is the same backend with the flash-attn kernel.
+Each step packs the tokens of every scheduled sequence (prefill chunks, and decode tokens with
+their drafts under ``--speculate``) into one row, with each token's own position. The model runs
+with transformers' attention routed, through ``AttentionInterface``, to the kernel plugin (see
+:mod:`.attention`), which attends, per sequence, over its own blocks. Any model whose layers
+use that interface runs this way. ``flash`` is the same backend with the flash-attn kernel.
 
 On CPU the forward may be compiled (:meth:`PagedRunner.compile_forward`, ``--compile-model``):
-inductor fuses what lies between the matmuls (norms, rotary, activations, residual adds). The
-attention then runs as the opaque operator ``tokenmill::paged_attention``, which finds its step
-in :data:`_current_step`: a compiled graph takes tensors, and a Python object passed in would
-make it recompile at every step.
+inductor fuses what lies between the matmuls (norms, rotary, activations, residual adds).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 from typing import Any
 
@@ -47,64 +41,15 @@ from tokenmill.model.compat import packed_steps_unavailable_reason
 from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
 from tokenmill.model.lora import adapter_rows, lora_batch
-
-ATTENTION_NAME = "tokenmill_paged"
+from tokenmill_plugins.backends.paged.attention import ATTENTION_NAME, current_step, paged_attention_forward
 
 log = logging.getLogger(__name__)
-
-_current_step: contextvars.ContextVar[PagedStep] = contextvars.ContextVar("tokenmill_paged_step")
-"""The step a compiled forward is running; set by :meth:`PagedRunner._forward` for that call only."""
-
-
-@torch.library.custom_op("tokenmill::paged_attention", mutates_args=())
-def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                        scaling: float, sliding_window: int) -> torch.Tensor:
-    """:func:`paged_attention_forward` as one operator a compiled graph calls as it is (0: no window)."""
-    step = _current_step.get(None)
-    if step is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a tokenmill paged step")
-    return _attend(step, layer_idx, query, key, value, scaling, sliding_window or None)
-
-
-@_paged_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float,
-      sliding_window: int) -> torch.Tensor:
-    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-
-
-def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                            paged_step: PagedStep | None = None, sliding_window: int | None = None,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: ``query`` ``[1, heads, tokens, dim]``, ``key``/``value``
-    ``[1, kv_heads, tokens, dim]`` for this step's tokens; returns ``[1, tokens, heads, dim]``.
-    A compiled forward passes no ``paged_step``: the operator finds it in :data:`_current_step`."""
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention logit soft-capping and sinks are not supported by the paged backend")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if paged_step is None:
-        return _paged_attention_op(query, key, value, module.layer_idx, scale, sliding_window or 0), None
-    return _attend(paged_step, module.layer_idx, query, key, value, scale, sliding_window), None
-
-
-def _attend(paged_step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Write this step's keys and values into the sequences' blocks, then attend over them."""
-    key_cache, value_cache = paged_step.pool.layer(layer_idx)
-    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if key_cache.dtype == torch.float8_e4m3fn:  # casting saturates nothing: |x| >= 480 would become NaN
-        key, value = key.clamp(-448, 448), value.clamp(-448, 448)
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value.to(value_cache.dtype))
-    out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
-                                            sliding_window)
-    return out.unsqueeze(0).to(query.dtype)
 
 
 class PagedRunner(BackendRunner):
     chunked_prefill = True
     pausable = True
+    speculative = True
 
     def __init__(self, model: Any, pool: BlockPool, kernel: AttentionKernel) -> None:
         self.model = model
@@ -120,6 +65,8 @@ class PagedRunner(BackendRunner):
         """Per sequence holding blocks (with prefix caching): the names of the blocks it has filled."""
         self._unconfirmed: list[int] = []
         """Blocks named for the coming forward: forgotten again if it fails, since they were never computed."""
+        self._drafted: dict[int, tuple[int, tuple[int, ...]]] = {}
+        """Per sequence that fed a draft in the last step: the position of its first token, and the draft."""
 
     def compile_unavailable_reason(self) -> str | None:
         """Why :meth:`compile_forward` cannot run here, or None."""
@@ -223,12 +170,14 @@ class PagedRunner(BackendRunner):
         for seq in seqs:
             self.pool.free(seq.id)
             self._chains.pop(seq.id, None)
+            self._drafted.pop(seq.id, None)
 
     def reset(self) -> None:
         """Forget every sequence, and every cached block: after a step failed half-way, what they hold
         cannot be trusted."""
         self.pool.free_all()
         self._chains.clear()
+        self._drafted.clear()
         self._unconfirmed = []
         if isinstance(self.pool, CachingBlockPool):
             self.pool.drop_cached()
@@ -239,10 +188,10 @@ class PagedRunner(BackendRunner):
 
     @torch.inference_mode()
     def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
-             decode: list[Sequence]) -> StepOutput:
-        """Prefill chunks and decode tokens packed into one row: one forward pass for the whole step."""
+             decode: list[Sequence], drafts: list[tuple[int, ...]] | None = None) -> StepOutput:
+        """Prefill chunks, decode tokens and their drafts packed into one row: one forward pass for the whole step."""
         try:
-            out = self._step(prefill, chunks, want_prompt_logits, decode)
+            out = self._step(prefill, chunks, want_prompt_logits, decode, drafts)
         except BaseException:
             self._forget_unconfirmed()
             raise
@@ -255,36 +204,71 @@ class PagedRunner(BackendRunner):
         self._unconfirmed = []
 
     def _step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
-              decode: list[Sequence]) -> StepOutput:
+              decode: list[Sequence], drafts: list[tuple[int, ...]] | None) -> StepOutput:
         for seq in prefill + decode:
             self._reserve(seq, seq.total_len)  # a prompt's whole context at once: later chunks never wait
+        fed = self._reserve_drafts(decode, drafts) if drafts else [()] * len(decode)
         if self.prefix_caching:
             for seq, chunk in zip(prefill, chunks):
                 self._fill_chain(seq, seq.num_computed + chunk)
             for seq in decode:
                 self._fill_chain(seq, seq.total_len)
         starts = [s.num_computed for s in prefill] + [s.total_len - 1 for s in decode]
-        lengths = list(chunks) + [1] * len(decode)
-        step, input_ids, positions = self._pack(prefill + decode, starts, lengths)
-        wants = list(want_prompt_logits) + [False] * len(decode)
+        lengths = list(chunks) + [1 + len(draft) for draft in fed]
+        step, input_ids, positions = self._pack(prefill + decode, starts, lengths, [()] * len(prefill) + fed)
+        wants = list(want_prompt_logits) + [bool(draft) for draft in fed]
         keep = [torch.arange(start, start + n) if want else torch.tensor([start + n - 1])
                 for start, n, want in zip(step.query_starts, lengths, wants)]
         with adapter_rows(self.model, prefill + decode, lengths):
             logits = self._forward(input_ids, positions, step, torch.cat(keep))
-        last_rows = torch.cumsum(torch.tensor([len(k) for k in keep]), 0) - 1
+        bounds = [0]
+        for kept in keep:
+            bounds.append(bounds[-1] + len(kept))
+        firsts, lasts = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:]) - 1
         prefill_out = None
         if prefill:
-            prompt_logits = [
-                logits[int(last_rows[row]) - n + 1 : int(last_rows[row]) + 1] if want else None
-                for row, (want, n) in enumerate(zip(want_prompt_logits, chunks))
-            ]
-            prefill_out = PrefillOutput(logits[last_rows[: len(prefill)]], prompt_logits)
-        decode_logits = logits[last_rows[len(prefill) :]] if decode else None
-        return StepOutput(prefill_out, decode_logits)
+            prompt_logits = [logits[bounds[row] : bounds[row + 1]] if want else None
+                             for row, want in enumerate(want_prompt_logits)]
+            prefill_out = PrefillOutput(logits[lasts[: len(prefill)]], prompt_logits)
+        decode_logits = logits[firsts[len(prefill) :]] if decode else None
+        draft_logits = None
+        if drafts:
+            draft_logits = [logits[bounds[row] + 1 : bounds[row + 1]] for row in range(len(prefill), len(keep))]
+        return StepOutput(prefill_out, decode_logits, draft_logits=draft_logits)
 
-    def _pack(self, seqs: list[Sequence], starts: list[int],
-              lengths: list[int]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
-        """The packed row of this step's tokens, their positions, and where their KV goes."""
+    # ---- drafts (--speculate) -------------------------------------------------------------------
+
+    def _reserve_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The drafts each decoding sequence feeds: its own where KV memory holds them, else none."""
+        fed: list[tuple[int, ...]] = []
+        for seq, draft in zip(decode, drafts):
+            if draft and not self.pool.reserve(seq.id, seq.total_len + len(draft)):
+                draft = ()
+            if draft:
+                self._drafted[seq.id] = (seq.total_len, tuple(draft))  # where the draft's first token goes
+            fed.append(tuple(draft))
+        return fed
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        """Name the blocks that accepted drafts filled (prefix caching) and drop the KV of rejected ones."""
+        for seq in seqs:
+            start, draft = self._drafted.pop(seq.id, (0, ()))
+            if not draft:
+                continue
+            accepted = seq.num_computed - start  # its KV holds every kept token but the newest
+            chain = self._chains.get(seq.id)
+            if chain is not None and accepted > 0:
+                table = self.pool.blocks_of(seq.id)
+                for index, block_hash in chain.extend(list(draft[:accepted])):
+                    self.pool.name(table[index], block_hash)  # type: ignore[attr-defined]
+            truncate = getattr(self.pool, "truncate", None)
+            if truncate is not None:
+                truncate(seq.id, seq.num_computed)
+
+    def _pack(self, seqs: list[Sequence], starts: list[int], lengths: list[int],
+              drafts: list[tuple[int, ...]]) -> tuple[PagedStep, torch.Tensor, torch.Tensor]:
+        """The packed row of this step's tokens (a decoding sequence's newest, then its draft), their
+        positions, and where their KV goes."""
         block_size = self.pool.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -294,7 +278,7 @@ class PagedRunner(BackendRunner):
         for row, (seq, start, length) in enumerate(zip(seqs, starts, lengths)):
             query_starts.append(len(tokens))
             is_last_token = start == seq.total_len - 1
-            tokens.extend([seq.last_token] if is_last_token else seq.token_ids[start : start + length])
+            tokens.extend([seq.last_token, *drafts[row]] if is_last_token else seq.token_ids[start : start + length])
             span = torch.arange(start, start + length)
             positions.extend(range(start, start + length))
             slots.append(block_tables[row, span // block_size].long() * block_size + span % block_size)
@@ -323,7 +307,7 @@ class PagedRunner(BackendRunner):
         for tensor, dim in ((input_ids, 1), (positions, 1), (keep, 0)):
             # Unbacked: sizes of 1 (one decode row, one kept logit) share the graph instead of their own.
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        token = _current_step.set(step)
+        token = current_step.set(step)
         try:
             # Weights as constants, so the oneDNN matmuls take them packed (inductor packs plain ones itself).
             # Set per call, not through compile options: the compile happens inside the first call.
@@ -339,7 +323,7 @@ class PagedRunner(BackendRunner):
             self.compiled = None  # the eager forward then writes the same KV slots again
             return None
         finally:
-            _current_step.reset(token)
+            current_step.reset(token)
         self._compiled_ran = True
         return out
 
