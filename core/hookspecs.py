@@ -44,7 +44,7 @@ def tokenmill_backends() -> list[Backend]:
 
     - `step(prefill, chunks, want_prompt_logits, decode) -> StepOutput` runs one engine step: it
       prefills the next `chunks[i]` tokens of each `prefill` sequence and feeds each `decode`
-      sequence its newest token;
+      sequence its newest token (and, for a `speculative` runner, its draft: see Speculation);
     - `can_decode(seqs)`, `kv_free_tokens()`, `release(seqs)`, `reset()` and `kv_usage()`;
     - the attribute `chunked_prefill`.
 
@@ -63,6 +63,16 @@ def tokenmill_backends() -> list[Backend]:
     `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's `cache_salt`
     and LoRA adapter make its blocks' names its own (`Sequence.cache_namespace`);
     `tokenmill.engine.prefix` names blocks (`block_hash`, `full_block_hashes`, `BlockChain`).
+
+    **Speculation.** A runner that verifies drafts (`--speculate`) sets `speculative = True`. Its
+    `step` then takes `drafts`, per decoding sequence the tokens to feed after its newest one (an empty
+    tuple for none), and returns in `StepOutput.draft_logits`, per decoding sequence, the logits after
+    each draft token it fed (it may feed fewer, none included, where KV memory is short). After the
+    engine has appended the tokens it kept, it calls `rollback(seqs)` for the sequences that fed a
+    draft: their KV memory must then hold only positions below `seq.num_computed` (the paged runner
+    names the blocks that accepted tokens filled and calls the pool's optional `truncate(seq_id,
+    tokens)`). A runner without `speculative` is never given drafts; tokenmill refuses `--speculate`
+    at start with it.
 
     **Mixed steps.** A backend whose steps prefill newcomers (in chunks) in the same forward as the
     running batch decodes sets `mixed_steps = True` (the paged backends do). Its admission defaults

@@ -121,6 +121,9 @@ _HELP = {
                         "--no-prepack-weights keeps plain nn.Linear)"),
     "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor; tens of seconds more at "
                       "start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)"),
+    "speculate": ("paged backends: draft up to N tokens per decoding sequence and step by n-gram lookup in its "
+                  "prompt and output, and verify them in the same forward (TGI's n-gram speculation; 0: off). "
+                  "Outputs are the same as without it, greedy or sampled"),
     "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for "
                                "SDPA instead)"),
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",

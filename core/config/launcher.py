@@ -29,7 +29,6 @@ class LauncherFlag:
 
 
 LAUNCHER_FLAGS = (
-    LauncherFlag("speculate", "tokenmill does not speculate: each step decodes one token per sequence"),
     LauncherFlag("cuda_graphs", "tokenmill captures no CUDA graphs (the paged backend on CPU compiles its forward "
                                 "instead: --compile-model)"),
     LauncherFlag("shard_uds_path", "shards talk over torch.distributed (--master-addr, --master-port), not unix "

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+MAX_SPECULATE = 32
+"""The most draft tokens ``--speculate`` may ask for per sequence and step."""
+
 CPU_MIXED_PREFILL_TOKENS = 2048
 """The default prefill budget per step of a backend with mixed steps on CPU (see :meth:`Config.with_limits`)."""
 
@@ -84,6 +87,7 @@ class Config:
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
     compile_model: bool = True
+    speculate: int = 0
     disable_custom_kernels: bool = False
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
@@ -120,6 +124,8 @@ class Config:
         for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if not 0 <= self.speculate <= MAX_SPECULATE:
+            raise ConfigError(f"--speculate must be between 0 and {MAX_SPECULATE} (got {self.speculate})")
         if self.num_shard < 1:
             raise ConfigError(f"--num-shard must be >= 1 (got {self.num_shard})")
         if self.sharded is False and self.num_shard > 1:

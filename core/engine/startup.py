@@ -14,6 +14,7 @@ import pluggy
 
 from tokenmill.config import Config
 from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
+from tokenmill.engine.speculation import STEP_TOKENS, FixedDrafts, Speculator
 from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
 from tokenmill.kernels import native as native_kernels
 from tokenmill.model import kv_memory, sharding
@@ -108,6 +109,9 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     kv_store = chosen.kv_allocator.create(model_config, cache_dtype, loaded.device,  # type: ignore[attr-defined]
                                           config.max_batch_total_tokens, chosen.block_size)
     runner = chosen.backend.create(loaded.model, kv_store, chosen.attention)  # type: ignore[attr-defined]
+    if config.speculate and not getattr(runner, "speculative", False):
+        raise ModelLoadError(f"--speculate needs a backend that verifies drafts in its steps (paged, flash); "
+                             f"--backend {chosen.backend.name} decodes one token per sequence and step")
     prefix_caching_off = prefix_caching_unavailable_reason(config, chosen, runner)
     if prefix_caching_off is None:
         runner.enable_prefix_caching()
@@ -126,6 +130,9 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
                     watermark=(config.watermark_gamma, config.watermark_delta))
+    if config.speculate:
+        engine.batch.speculator = Speculator(config.speculate, STEP_TOKENS.get(loaded.device.type, STEP_TOKENS["cuda"]))
+        log.info("speculation is on: up to %d n-gram draft tokens per sequence and step", config.speculate)
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
             detail="compiling the forward (torch.compile)" if compiling else "")
@@ -171,7 +178,8 @@ def owned_engine_unavailable_reason(config: Config, chosen: Chosen) -> str | Non
     name = chosen.backend.name
     for flag, value in (("--num-shard", config.num_shard > 1), ("--quantize", config.quantize),
                         ("--lora-adapters", config.lora_enabled),
-                        ("--kv-cache-dtype", config.kv_cache_dtype not in (None, "auto"))):
+                        ("--kv-cache-dtype", config.kv_cache_dtype not in (None, "auto")),
+                        ("--speculate", config.speculate > 0)):
         if value:
             return f"{flag} is not supported with --backend {name}, which loads and runs the model in its own engine"
     return None
@@ -221,7 +229,16 @@ def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int
     (where the forward is compiled, its first steps compile it)."""
     assert config.max_input_tokens and config.max_batch_prefill_tokens
     prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-    stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below), detail=detail)
+    speculator = engine.batch.speculator
+    if speculator is None:
+        stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below), detail=detail)
+        return
+    # Made-up drafts, and a third token (a decode step with room for a draft): the warm-up verifies one too.
+    engine.batch.speculator = FixedDrafts(speculator.tokens, speculator.step_tokens)
+    try:
+        stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below, new_tokens=3), detail=detail)
+    finally:
+        engine.batch.speculator = speculator
 
 
 def watch(engine: Engine, config: Config) -> None:

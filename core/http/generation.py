@@ -183,6 +183,7 @@ class Generation:
         if result is not None:
             record.queue_seconds, record.inference_seconds = result.queue_seconds, result.inference_seconds
             record.finish_reason = result.finish_reason
+            record.draft_tokens, record.accepted_tokens = result.draft_tokens, result.accepted_tokens
         record.generated_tokens = result.generated_tokens if result is not None else generated_tokens
         if error is not None:
             record.error, record.error_type = error, error_type or "generation"

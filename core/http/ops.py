@@ -160,6 +160,7 @@ class InfoRoute:
             "max_top_n_tokens": config.max_top_n_tokens,
             "validation_workers": config.validation_workers,
             "max_client_batch_size": config.max_client_batch_size,
+            "speculate": config.speculate,
             "router": "tokenmill",
             "version": __version__,
             "sha": None,

@@ -98,6 +98,13 @@ class Metrics:
                                      "first token (their prompts were processed)", registry=r)
         self.generation_tokens = Counter("tokenmill_generation_tokens", "tokens generated, every choice of every "
                                          "request counted, as they are produced", registry=r)
+        self.draft_tokens = Counter("tokenmill_speculation_draft_tokens", "draft tokens the model checked "
+                                    "(--speculate)", registry=r)
+        self.accepted_tokens = Counter("tokenmill_speculation_accepted_tokens", "draft tokens kept, each a token "
+                                       "produced without a step of its own", registry=r)
+        self.skipped_tokens = Histogram("tgi_request_skipped_tokens", "per sequence and step it drafted in, the "
+                                        "tokens it got beyond one", buckets=[float(n) for n in range(9)] + [16.0, 32.0],
+                                        registry=r)
         self.next_batch_size = Histogram("tgi_batch_next_size", "sequences joining the batch in a prefill step",
                                          buckets=[float(i + 1) for i in range(1024)], registry=r)
         self.input_length: Histogram | None = None
@@ -163,6 +170,11 @@ class Metrics:
         self.forward_duration.labels(method=method).observe(step.forward_seconds)
         self.step_duration.labels(method=method).observe(step.step_seconds)
         self.decode_duration.labels(method=method).observe(step.step_seconds - step.forward_seconds)
+        if step.speculated is not None:
+            self.draft_tokens.inc(step.speculated.drafted)
+            self.accepted_tokens.inc(step.speculated.accepted)
+            for skipped in step.speculated.skipped:
+                self.skipped_tokens.observe(skipped)
 
     def exposition(self) -> bytes:
         return self.counters.exposition().encode() + generate_latest(self.registry)

@@ -34,6 +34,10 @@ class RequestRecord:
     cached_tokens: int = 0
     """Of the prompt tokens, those whose keys and values came from the prefix cache."""
     generated_tokens: int = 0
+    draft_tokens: int = 0
+    """With ``--speculate``: draft tokens the model checked for its (best) sequence, and of those ..."""
+    accepted_tokens: int = 0
+    """... the ones kept."""
     max_new_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -129,10 +133,16 @@ def log_request(record: RequestRecord) -> None:
         fields["time_to_first_token"] = round(record.first_token_seconds, 6)
     if record.inputs is not None:
         fields["inputs"] = record.inputs
+    speculated = ""
+    if record.draft_tokens:
+        rate = record.accepted_tokens / record.draft_tokens
+        fields.update(draft_tokens=record.draft_tokens, accepted_tokens=record.accepted_tokens,
+                      acceptance_rate=round(rate, 4))
+        speculated = f", {rate:.0%} of {record.draft_tokens} draft tokens accepted"
     if record.succeeded:
         fields["finish_reason"] = record.finish_reason
-        log.info("%s succeeded: %s, %d tokens in %.3fs", record.route, record.finish_reason, record.generated_tokens,
-                 record.total_seconds, extra={"fields": fields})
+        log.info("%s succeeded: %s, %d tokens in %.3fs%s", record.route, record.finish_reason,
+                 record.generated_tokens, record.total_seconds, speculated, extra={"fields": fields})
     else:
         fields.update(error=record.error, error_type=record.error_type)
         log.info("%s failed (%s): %s", record.route, record.error_type, record.error, extra={"fields": fields})

@@ -40,6 +40,7 @@ class Info(ResponseModel):
     max_top_n_tokens: int | None = None
     validation_workers: int = Field(ge=0)
     max_client_batch_size: int = Field(ge=0)
+    speculate: int | None = Field(None, ge=0, description="Draft tokens per sequence and step (--speculate; 0: off)")
     router: str
     version: str
     sha: str | None = None
