@@ -25,7 +25,7 @@ TGI_MANIFEST = ["--sharded", "false", "--cuda-graphs", "0", "--usage-stats", "of
                 "--json-output"]
 """Flags as a TGI manifest carries them (``--huggingface-hub-cache`` is added per test)."""
 
-IGNORED = ("--speculate 2", "--cuda-graphs 0", "--usage-stats off", "--rope-scaling dynamic", "--rope-factor 2.0",
+IGNORED = ("--cuda-graphs 0", "--usage-stats off", "--rope-scaling dynamic", "--rope-factor 2.0",
            "--shard-uds-path /tmp/text-generation-server", "--enable-prefill-logprobs")
 
 
