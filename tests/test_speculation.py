@@ -314,3 +314,26 @@ def test_decode_rows_of_several_tokens_through_the_native_kernel_match_sdpa(dtyp
         if native:
             assert step.scratch["sdpa:None"][0]["native"]
     torch.testing.assert_close(outputs[0], outputs[1], atol=tolerance, rtol=tolerance)
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+
+def test_speculate_is_tgis_flag_and_environment_variable_and_is_bounded():
+    from tokenmill.config import ConfigError, parse_config
+
+    assert parse_config([], env={}).speculate == 0
+    assert parse_config(["--speculate", "4"], env={}).speculate == 4
+    assert parse_config([], env={"SPECULATE": "3"}).speculate == 3
+    for wrong in ("-1", "33"):
+        with pytest.raises(ConfigError, match="--speculate must be between 0 and 32"):
+            parse_config(["--speculate", wrong], env={}).check()
+
+
+def test_the_transformers_backend_refuses_speculate_with_the_reason(tiny_model_dir, tmp_path):
+    from conftest import launch_server
+
+    server = launch_server(["--model-id", str(tiny_model_dir), "--backend", "transformers", "--speculate", "2"],
+                           tmp_path)
+    assert server.process.wait(120) != 0
+    assert "--speculate needs a backend that verifies drafts in its steps (paged, flash)" in server.log()
