@@ -102,8 +102,10 @@ class PagedPool(CachingBlockPool):
         del table[keep:]
         offset = tokens % self.block_size
         if offset and table:
-            for tensor in self.keys + self.values:
-                tensor[table[-1], offset:] = 0
+            first = table[-1] * self.block_size
+            slots = torch.arange(first + offset, first + self.block_size, device=self.keys[0].device)
+            for tensor in self.keys + self.values:  # index_fill_, as in _zero: float8 pools have it
+                tensor.view(-1, *tensor.shape[2:]).index_fill_(0, slots, 0)
 
     def free_all(self) -> None:
         for seq_id in list(self.tables):
