@@ -48,6 +48,9 @@ class RequestResult:
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     """Seconds between consecutive streamed chunks, each divided by the tokens in the later one."""
+    prompt_id: str = ""
+    text: str = ""
+    """The generated text: TGI's ``generated_text``, else the streamed pieces joined."""
 
 
 @dataclass
@@ -73,6 +76,10 @@ class LoadReport:
     peak_rss_mib: float | None = None
     prompt_tokens: int = 0
     """Prompt tokens of the requests whose first token arrived: the prefill work the level did."""
+    itl_mean: float = math.nan
+    """Seconds per output token after the first, over every completed request (the server's token
+    counts: right where a chunk carries several tokens, as a speculating server's may)."""
+    itl_p99: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +118,10 @@ class Chunk:
     usage_tokens: int | None = None
     error: str | None = None
     done: bool = False
+    text: str = ""
+    """The piece of generated text it carried."""
+    final_text: str | None = None
+    """TGI's last event: the whole generated text."""
 
 
 def parse_event(api: str, data: str) -> Chunk:
@@ -128,16 +139,20 @@ def parse_event(api: str, data: str) -> Chunk:
         return Chunk(error=str(error.get("message", error) if isinstance(error, dict) else error))
     if api == "tgi":
         details = event.get("details") or {}
-        return Chunk(tokens=1 if event.get("token") else 0, usage_tokens=details.get("generated_tokens"),
-                     done=event.get("generated_text") is not None)
+        token = event.get("token") or {}
+        return Chunk(tokens=1 if token else 0, usage_tokens=details.get("generated_tokens"),
+                     done=event.get("generated_text") is not None,
+                     text="" if token.get("special") else token.get("text") or "",
+                     final_text=event.get("generated_text"))
     usage = event.get("usage") or {}
     choices = event.get("choices") or []
     tokens = 0
+    piece = None
     if choices:
         choice = choices[0]
         piece = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
         tokens = 1 if piece else 0
-    return Chunk(tokens=tokens, usage_tokens=usage.get("completion_tokens"))
+    return Chunk(tokens=tokens, usage_tokens=usage.get("completion_tokens"), text=piece or "")
 
 
 async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
@@ -154,6 +169,7 @@ async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_n
     sent = time.perf_counter()
     last = sent
     usage_tokens = None
+    pieces: list[str] = []
     try:
         async with client.stream("POST", route, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -174,6 +190,9 @@ async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_n
                         result.gaps.append((now - last) / chunk.tokens)
                     last = now
                     result.tokens += chunk.tokens
+                pieces.append(chunk.text)
+                if chunk.final_text is not None:
+                    pieces = [chunk.final_text]
                 if chunk.usage_tokens is not None:
                     usage_tokens = chunk.usage_tokens
                 if chunk.done:
@@ -181,6 +200,8 @@ async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_n
     except httpx.HTTPError as error:
         result.error = f"{type(error).__name__}: {error}"
         return
+    finally:
+        result.text = "".join(pieces)
     if usage_tokens is not None:
         result.tokens = usage_tokens  # a chunk may carry several tokens; the server's count is exact
     result.latency = time.perf_counter() - sent
@@ -192,11 +213,13 @@ async def one_request(client: httpx.AsyncClient, api: str, prompt: Prompt, max_n
 
 async def run_load(base_url: str, api: str, prompts: list[Prompt], *, concurrency: int, requests: int,
                    max_new_tokens: int, time_bound_s: float, model: str = "model",
-                   progress: Callable[[list[RequestResult], float], None] | None = None) -> LoadReport:
+                   progress: Callable[[list[RequestResult], float], None] | None = None,
+                   collect: list[RequestResult] | None = None) -> LoadReport:
     """Send ``requests`` requests (cycling through ``prompts``) with ``concurrency`` at once.
 
     Stops at ``time_bound_s``: requests still streaming then count as unfinished, with the
-    tokens they already received counted as output."""
+    tokens they already received counted as output. ``collect``, if given, receives every
+    request's result (its prompt's id and generated text with it), in the order sent."""
     results: list[RequestResult] = []
     queue: asyncio.Queue[Prompt] = asyncio.Queue()
     for index in range(requests):
@@ -209,7 +232,7 @@ async def run_load(base_url: str, api: str, prompts: list[Prompt], *, concurrenc
         async def worker() -> None:
             while not queue.empty():
                 prompt = queue.get_nowait()
-                result = RequestResult(started=time.perf_counter() - started)
+                result = RequestResult(started=time.perf_counter() - started, prompt_id=prompt.id)
                 results.append(result)
                 await one_request(client, api, prompt, max_new_tokens, model, result)
 
@@ -226,7 +249,16 @@ async def run_load(base_url: str, api: str, prompts: list[Prompt], *, concurrenc
             task.cancel()
         reporter.cancel()
         await asyncio.gather(*workers, reporter, return_exceptions=True)
+    if collect is not None:
+        collect.extend(results)
     return summarize(api, concurrency, results, wall)
+
+
+def mean_itl(completed: list[RequestResult]) -> float:
+    """Streaming seconds after the first token over the tokens after the first, all requests together."""
+    timed = [r for r in completed if r.latency is not None and r.ttft is not None and r.tokens > 1]
+    tokens = sum(r.tokens - 1 for r in timed)
+    return sum(r.latency - r.ttft for r in timed) / tokens if tokens else math.nan  # type: ignore[operator]
 
 
 def summarize(api: str, concurrency: int, results: list[RequestResult], wall_s: float) -> LoadReport:
@@ -243,7 +275,8 @@ def summarize(api: str, concurrency: int, results: list[RequestResult], wall_s: 
         unfinished=len(unfinished), output_tokens=tokens, wall_s=wall_s,
         tokens_per_s=tokens / wall_s if wall_s else 0.0,
         ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
-        itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95),
+        itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95), itl_p99=percentile(gaps, 99),
+        itl_mean=mean_itl(completed),
         latency_p50=percentile(latencies, 50), latency_p95=percentile(latencies, 95),
         latency_p99=percentile(latencies, 99), errors=errors,
         prompt_tokens=sum(r.prompt_tokens for r in results if not r.error))
