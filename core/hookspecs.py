@@ -42,7 +42,7 @@ def tokenmill_backends() -> list[Backend]:
     says why it cannot run a loaded model (or None), and `create(model, kv_store, attention)` returns
     a runner (`tokenmill.interfaces.BackendRunner`), whose only caller is the engine thread:
 
-    - `step(prefill, chunks, want_prompt_logits, decode) -> StepOutput` runs one engine step: it
+    - `step(prefill, chunks, want_prompt_logits, decode, drafts=None) -> StepOutput` runs one engine step: it
       prefills the next `chunks[i]` tokens of each `prefill` sequence and feeds each `decode`
       sequence its newest token (and, for a `speculative` runner, its draft: see Speculation);
     - `can_decode(seqs)`, `kv_free_tokens()`, `release(seqs)`, `reset()` and `kv_usage()`;
@@ -69,7 +69,9 @@ def tokenmill_backends() -> list[Backend]:
     tuple for none), and returns in `StepOutput.draft_logits`, per decoding sequence, the logits after
     each draft token it fed (it may feed fewer, none included, where KV memory is short). After the
     engine has appended the tokens it kept, it calls `rollback(seqs)` for the sequences that fed a
-    draft: their KV memory must then hold only positions below `seq.num_computed` (the paged runner
+    draft, those that end in the step included (a sequence that got no token, cancelled or failed,
+    is released right after and needs nothing): their KV memory must then hold only positions below
+    `seq.num_computed` (the paged runner
     names the blocks that accepted tokens filled and calls the pool's optional `truncate(seq_id,
     tokens)`). A runner without `speculative` is never given drafts; tokenmill refuses `--speculate`
     at start with it.

@@ -30,7 +30,7 @@ class Oracle(Speculator):
         self.random = random.Random(0)
 
     def draft(self, seq: Sequence, most: int) -> list[int]:
-        known = self.reference[id(seq.request)][len(seq.generated_ids):]
+        known = self.reference.get(id(seq.request), [])[len(seq.generated_ids):]
         wanted = (known + [11] * most)[:most]
         return [token if self.random.random() >= self.noise else 7 for token in wanted]
 
@@ -287,6 +287,38 @@ def test_a_sequence_short_of_kv_memory_for_its_draft_decodes_without_it(fresh_mo
                           check_pool=True, max_batch_total_tokens=256, block_size=16)
     same_results(plain, drafted)
     assert_pool_at_rest(engine)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_sequence_cancelled_while_its_draft_is_verified_leaves_the_cached_blocks_intact(fresh_model, tiny_model,
+                                                                                          block_size):
+    _, tokenizer = tiny_model
+    first = greedy_request(tokenizer, PROMPTS[6], 20)
+    plain, _ = run(fresh_model(), tokenizer, [first])
+
+    class CancelsAtSix(Oracle):  # the first step prefills a token, the next one drafts 4 and keeps them all
+        def draft(self, seq: Sequence, most: int) -> list[int]:
+            if seq.request is first and len(seq.generated_ids) == 6:
+                seq.cancelled = True  # as the client's disconnect does, while the step runs
+            return super().draft(seq, most)
+
+    engine = build_engine(fresh_model(), tokenizer, backend="paged", ignore_eos=True, prefix_caching=True,
+                          block_size=block_size)
+    engine.batch.speculator = CancelsAtSix(reference_of([first], plain))
+    cancelled = Collector()
+    engine.submit(first, cancelled)
+    for _ in range(50):
+        engine.run_once()
+    assert len(cancelled.token_ids) == 6 and not cancelled.done
+    assert_pool_at_rest(engine)
+    # A prompt that goes on from the cancelled one's first tokens takes their cached blocks.
+    second = GenerationRequest("", first.input_ids + plain[0].token_ids[:6], 8, SamplingParams())
+    again = Collector()
+    engine.submit(second, again)
+    for _ in range(50):
+        engine.run_once()
+    expected, _ = run(fresh_model(), tokenizer, [second])
+    assert again.final.cached_tokens > 0 and again.token_ids == expected[0].token_ids
 
 
 @pytest.mark.skipif(native_kernels.native_unavailable_reason() is not None, reason="native kernels unavailable")

@@ -123,7 +123,8 @@ _HELP = {
                       "start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)"),
     "speculate": ("paged backends: draft up to N tokens per decoding sequence and step by n-gram lookup in its "
                   "prompt and output, and verify them in the same forward (TGI's n-gram speculation; 0: off). "
-                  "Outputs are the same as without it, greedy or sampled"),
+                  "Greedy and seeded outputs are those without it (bit for bit in float32; in bfloat16 a forward "
+                  "of several tokens rounds as a bigger batch does)"),
     "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for "
                                "SDPA instead)"),
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",

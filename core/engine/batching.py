@@ -95,8 +95,17 @@ class Batch:
         prefill = self._plan_prefill()
         decode = tuple(self.decoding())
         chunks = tuple(n for _, n in prefill)
-        drafts = self.speculator.propose(decode, sum(chunks)) if self.speculator is not None and decode else ()
-        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, drafts)
+        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, self._drafts(decode, sum(chunks)))
+
+    def _drafts(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
+        """The speculator's drafts for ``decode``; none when it is off or failed (the step goes on without)."""
+        if self.speculator is None or not decode:
+            return ()
+        try:
+            return self.speculator.propose(decode, prefill_tokens)
+        except Exception:  # noqa: BLE001 - drafts are an optimisation: a step without them is still right
+            log.exception("proposing drafts failed; this step decodes without them")
+            return ()
 
     def decoding(self) -> list[Sequence]:
         """The running sequences that decode this step: not those whose reader lags behind

@@ -49,14 +49,14 @@ class StepExecution:
 
     def isolate(self, plan: StepPlan) -> bool | None:
         """After a failed step, where the backend can run any subset of it: run each prefill chunk
-        alone and the decoding sequences together, so that a failure pinned to one request (its
-        prompt, its prompt logits) fails only that request. True when some part ran (the step did
-        not fail as a whole), False when none did (each part failed its sequences); None when the
-        step cannot be split (nothing was done)."""
+        alone and the decoding sequences together, without drafts, so that a failure pinned to one
+        request (its prompt, its prompt logits) fails only that request, and one in verifying drafts
+        none. True when some part ran (the step did not fail as a whole), False when none did (each
+        part failed its sequences); None when the step cannot be split (nothing was done)."""
         parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
         if plan.decode:
-            parts.append(StepPlan((), (), plan.decode, plan.drafts))
-        if not self.batch.runner.pausable or len(parts) < 2:
+            parts.append(StepPlan((), (), plan.decode))  # without drafts: they may be what failed
+        if not self.batch.runner.pausable or (len(parts) < 2 and not plan.drafts):
             return None
         ran = False
         for part in parts:

@@ -68,7 +68,10 @@ class BackendRunner(Protocol):
     def rollback(self, seqs: list[Sequence]) -> None:
         """(``speculative``) After a step with drafts, once the engine appended the tokens it kept: drop the
         KV of each sequence's positions from its ``num_computed`` on that the step wrote (rejected
-        drafts), so that its KV memory holds only tokens it kept."""
+        drafts), so that its KV memory holds only tokens it kept. Sequences that end in this step are
+        among ``seqs`` (released right after); one that got no token (cancelled, failed) has a
+        ``num_computed`` below its draft's first position and needs nothing."""
+        raise NotImplementedError("a speculative runner drops its rejected drafts in rollback")
 
     def can_decode(self, seqs: list[Sequence]) -> bool:
         """Whether KV memory holds one more token for each of ``seqs`` (else the engine preempts)."""

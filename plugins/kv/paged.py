@@ -94,13 +94,16 @@ class PagedPool(CachingBlockPool):
         table = self.tables.get(seq_id)
         if not table:
             return
-        keep = blocks_for(tokens, self.block_size)
-        for block in reversed(table[keep:]):  # past every named block: none is cached
+        keep, offset = blocks_for(tokens, self.block_size), tokens % self.block_size
+        touched = table[keep - 1 if offset else keep:]
+        if any(block in self.hash_of or self.ref_counts[block] > 1 for block in touched):
+            raise ValueError(f"sequence {seq_id}: truncating it to {tokens} positions would change a named or "
+                             "shared block")
+        for block in reversed(table[keep:]):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_list.append(block)
         del table[keep:]
-        offset = tokens % self.block_size
         if offset and table:
             first = table[-1] * self.block_size
             slots = torch.arange(first + offset, first + self.block_size, device=self.keys[0].device)

@@ -194,6 +194,7 @@ class PagedRunner(BackendRunner):
             out = self._step(prefill, chunks, want_prompt_logits, decode, drafts)
         except BaseException:
             self._forget_unconfirmed()
+            self._drop_drafts(decode)
             raise
         self._unconfirmed = []
         return out
@@ -249,11 +250,18 @@ class PagedRunner(BackendRunner):
             fed.append(tuple(draft))
         return fed
 
+    def _drop_drafts(self, decode: list[Sequence]) -> None:
+        """After a failed step: forget its drafts and the KV memory reserved for them."""
+        truncate = getattr(self.pool, "truncate", None)
+        for seq in decode:
+            if self._drafted.pop(seq.id, None) is not None and truncate is not None:
+                truncate(seq.id, seq.num_computed)
+
     def rollback(self, seqs: list[Sequence]) -> None:
         """Name the blocks that accepted drafts filled (prefix caching) and drop the KV of rejected ones."""
         for seq in seqs:
             start, draft = self._drafted.pop(seq.id, (0, ()))
-            if not draft:
+            if not draft or seq.num_computed < start:  # none, or it got no token (cancelled, failed): it ends now
                 continue
             accepted = seq.num_computed - start  # its KV holds every kept token but the newest
             chain = self._chains.get(seq.id)
