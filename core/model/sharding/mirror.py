@@ -58,7 +58,7 @@ class MirroredRunner:
         broadcast(("step", [SequenceView.of(s, True) for s in prefill], list(chunks), list(want_prompt_logits),
                    [SequenceView.of(s, False) for s in decode], drafts))
         try:
-            out = self.inner.step(prefill, chunks, want_prompt_logits, decode, drafts)
+            out = step(self.inner, (prefill, chunks, want_prompt_logits, decode), drafts)
         except BaseException as error:
             fatal(f"a sharded step failed on rank 0 ({type(error).__name__}: {error})")
         if out.prefill_error is not None:
@@ -93,13 +93,19 @@ class MirroredRunner:
         self.inner.reset()
 
 
+def step(runner: Any, args: tuple[Any, ...], drafts: list[tuple[int, ...]] | None) -> Any:
+    """``runner.step(*args)``, with ``drafts`` only when there are some: a runner that does not speculate
+    takes no such argument."""
+    return runner.step(*args, drafts=drafts) if drafts else runner.step(*args)
+
+
 def replay(runner: Any, message: tuple[Any, ...]) -> None:
     """Run on a shard the runner call rank 0 made. An exception ends the shard: after a failure part
     way through a forward, the ranks' collectives would no longer pair up (rank 0's watcher then
     stops the server)."""
     kind = message[0]
     if kind == "step":
-        runner.step(*message[1:])
+        step(runner, message[1:5], message[5])
     elif kind == "release":
         runner.release(message[1])
     elif kind == "rollback":
