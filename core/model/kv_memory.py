@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.model.cgroup import container_memory
+
 if TYPE_CHECKING:
     from tokenmill.config import Config
     from tokenmill.model.loading import LoadedModel
@@ -32,7 +34,19 @@ def bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
 
 
 def available_memory_bytes() -> int:
-    """RAM available now (Linux MemAvailable), or total physical memory elsewhere."""
+    """RAM this process may still take: the smaller of what the machine has available (Linux
+    MemAvailable; total physical memory elsewhere) and what its container's memory limit leaves."""
+    machine = host_available_bytes()
+    container = container_memory()
+    if container is None or container.available >= machine:
+        return machine
+    log.info("the container's memory limit binds: %.0f MiB of %.0f MiB left (%s), the host has %.0f MiB",
+             container.available / 2**20, container.limit / 2**20, container.source, machine / 2**20)
+    return container.available
+
+
+def host_available_bytes() -> int:
+    """RAM the machine has available now (Linux MemAvailable), or total physical memory elsewhere."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
