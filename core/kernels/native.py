@@ -1,22 +1,31 @@
 """tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder.
 
-The source ships in the package (``csrc/``); the build lands in torch's extensions cache
-(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so it compiles once
-per machine (~30 s on 2 cores) and later starts load it in well under a second. Without a
-C++ compiler and ninja the kernels are unavailable and callers keep their plain PyTorch
-path; ``--disable-custom-kernels`` or ``TOKENMILL_NATIVE_KERNELS=0`` turns them off.
+The source ships in the package (``csrc/``); the build lands in tokenmill's cache
+(``TOKENMILL_CACHE_DIR``: ``kernels/torch-VERSION/NAME``, a volume in a container; or in
+``TORCH_EXTENSIONS_DIR`` where that is set, as the CPU image does at build time), so it
+compiles once per machine (~30 s on 2 cores) and later starts load it in well under a second.
+One process builds at a time, under a lock the kernel drops if the builder dies; torch's own
+lock file, which a build killed midway leaves behind and which makes every later start wait
+for ever, is removed under it. Without a C++ compiler and ninja the kernels are unavailable and
+callers keep their plain PyTorch path; ``--disable-custom-kernels`` or
+``TOKENMILL_NATIVE_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tokenmill.model.loading import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +73,10 @@ def _load() -> tuple[Any, str | None]:
 
         def build(bf16: bool) -> Any:
             name, flags = _compiler_flags(bf16)
-            return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            directory = build_directory(name)
+            with build_lock(directory):
+                return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+                            build_directory=str(directory))
 
         try:
             return build(bf16=True), None
@@ -76,6 +88,30 @@ def _load() -> tuple[Any, str | None]:
             return build(bf16=False), None
     except Exception as error:  # noqa: BLE001 - a failed build means the plain path, said once
         return None, f"building them failed: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named ``name`` lives: ``TORCH_EXTENSIONS_DIR`` where it is set (the CPU image builds
+    the kernels into it), else tokenmill's cache, per torch version."""
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return (Path(chosen) if chosen else cache_dir() / "kernels" / f"torch-{torch.__version__}") / name
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build lock (``flock``: released by the kernel when its holder exits, however it
+    exits) and, holding it, remove the baton file of torch's builder, which only a dead build can have left."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a native-kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def native_unavailable_reason() -> str | None:
