@@ -85,7 +85,12 @@ def tokenmill_backends() -> list[Backend]:
     steps run through `torch.compile`. tokenmill calls them before the warm-up (which then pays the
     compile) unless `--no-compile-model` is given or the settings rule it out (sharding, LoRA,
     quantization); the paged runner offers it on CPU, and falls back to its eager forward if the
-    compile fails.
+    compile fails. A runner that can also build it off the engine thread offers
+    `build_compiled_forward()`: tokenmill then calls that instead, after an eager warm-up, in a
+    thread of its own (the load stage "compiling the forward", `/info`'s `forward`), while the
+    engine already steps eagerly; it must not touch what the engine thread owns (the KV pool),
+    must leave the steps eager until it returns, and raises if the compile fails
+    (`--compile-before-ready` keeps the compile in the warm-up).
 
     **An engine of its own.** A backend that loads the model and schedules, samples and keeps KV
     memory itself sets `owns_engine = True` and implements `create_engine(setup: EngineSetup)`

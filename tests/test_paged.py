@@ -6,6 +6,8 @@ are back in the pool at the end.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
@@ -266,6 +268,94 @@ def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_j
     assert_pool_empty(engine)
 
 
+def test_a_forward_compiled_in_the_background_serves_eagerly_until_built_and_then_takes_over(
+        paged_model, tiny_model):
+    import threading
+
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    builder = threading.Thread(target=engine.runner.build_compiled_forward)
+    builder.start()
+    while_building, _ = run(engine, REQUESTS)  # the engine's steps meanwhile: eager, whatever the builder does
+    builder.join()
+    assert engine.runner.compiled is not None and engine.runner.compiled.ran
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1
+    requests = REQUESTS + [(PROMPTS[0], 30, 40)]
+    compiled, _ = run(engine, requests)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1, "its steps reuse the graph"
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS, while_building)
+    check_against_generate(tiny_model[0], tokenizer, requests, compiled)
+    assert_pool_empty(engine)
+
+
+def test_the_background_compile_is_a_load_stage_and_info_says_which_forward_runs(paged_model, tiny_model):
+    from types import SimpleNamespace
+
+    from tokenmill.config import Config
+    from tokenmill.model.compile import Compiler
+    from tokenmill.model.loading import Stages
+
+    engine = build_engine(paged_model, tiny_model[1], backend="paged")
+    loaded = SimpleNamespace(model=paged_model, quantization=None)
+    stages = Stages()
+    compiler = Compiler(Config(), loaded, engine.runner, stages)
+    assert (compiler.in_background, compiler.in_warm_up, engine.runner.compiled) == (True, False, None)
+    compiler.warmed_up()
+    assert compiler.forward == "compiling"
+    compiler.thread.join()
+    assert compiler.forward == "compiled" and engine.runner.compiled is not None
+    assert [stage["stage"] for stage in stages.done] == ["compiling the forward"]
+
+    before_ready = Compiler(Config(compile_before_ready=True), loaded, engine.runner, Stages())
+    assert before_ready.in_warm_up and not before_ready.in_background
+    eager = Compiler(Config(compile_model=False), loaded, engine.runner, Stages())
+    eager.warmed_up()
+    assert (eager.in_warm_up, eager.in_background, eager.forward) == (False, False, "eager")
+
+
+def test_a_background_compile_that_fails_leaves_the_eager_forward(paged_model, tiny_model, monkeypatch):
+    from types import SimpleNamespace
+
+    from tokenmill.config import Config
+    from tokenmill.model.compile import Compiler
+    from tokenmill.model.loading import Stages
+
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True)
+
+    def broken_build():
+        raise RuntimeError("inductor could not build a kernel")
+
+    monkeypatch.setattr(engine.runner, "build_compiled_forward", broken_build)
+    stages = Stages()
+    compiler = Compiler(Config(), SimpleNamespace(model=paged_model, quantization=None), engine.runner, stages)
+    compiler.warmed_up()
+    compiler.thread.join()
+    assert compiler.forward == "eager" and engine.runner.compiled is None
+    assert stages.done[-1]["detail"].startswith("failed: model load failed while compiling the forward")
+    sinks, _ = run(engine, REQUESTS[:2])
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS[:2], sinks)
+
+
+def test_inductors_caches_live_in_tokenmills_cache_unless_the_operator_chose_a_place(tmp_path, monkeypatch):
+    from torch._inductor.runtime.runtime_utils import default_cache_dir
+
+    from tokenmill.model.compile import use_compile_cache_dir
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    ours = tmp_path / "inductor" / f"torch-{torch.__version__}"
+    for before in (None, default_cache_dir()):  # unset, or set to inductor's default by an import of torch's
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        assert use_compile_cache_dir() == ours
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert use_compile_cache_dir() == tmp_path / "chosen"
+
+
 def test_compiling_is_a_setting_that_defaults_on():
     from tokenmill.config import parse_config
 
@@ -310,7 +400,7 @@ def test_a_compile_that_fails_falls_back_to_the_eager_forward(paged_model, tiny_
     def broken_compile(**inputs):
         raise RuntimeError("inductor could not build a kernel")
 
-    monkeypatch.setattr(engine.runner, "compiled", broken_compile)
+    monkeypatch.setattr(engine.runner.compiled, "compiled", broken_compile)
     requests = REQUESTS[:3]
     sinks, _ = run(engine, requests)
     assert engine.runner.compiled is None

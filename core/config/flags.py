@@ -119,8 +119,11 @@ _HELP = {
                            "--max-batch-total-tokens is unset"),
     "prepack_weights": ("CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; "
                         "--no-prepack-weights keeps plain nn.Linear)"),
-    "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor; tens of seconds more at "
-                      "start-up, reported as the warm-up stage; --no-compile-model runs it eagerly)"),
+    "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor). It is built in the "
+                      "background (tens of seconds; /info's forward says when it is in) while the server already "
+                      "serves with the eager forward; --no-compile-model keeps the eager one"),
+    "compile_before_ready": ("build the compiled forward during the warm-up instead, so /health waits for it and the "
+                             "first request already runs compiled"),
     "speculate": ("paged backends: draft up to N tokens per decoding sequence and step by n-gram lookup in its "
                   "prompt and output, and verify them in the same forward (TGI's n-gram speculation; 0: off). "
                   "Greedy and seeded outputs are those without it (bit for bit in float32; in bfloat16 a forward "

@@ -87,6 +87,7 @@ class Config:
     kv_memory_fraction: float = 0.3
     prepack_weights: bool = True
     compile_model: bool = True
+    compile_before_ready: bool = False
     speculate: int = 0
     disable_custom_kernels: bool = False
     cuda_memory_fraction: float = 1.0

@@ -19,7 +19,7 @@ from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
 from tokenmill.kernels import native as native_kernels
 from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache, load_adapters
-from tokenmill.model.compile import try_compile
+from tokenmill.model.compile import Compiler, use_compile_cache_dir
 from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.model.dtypes import checkpoint_choice
 from tokenmill.model.loading import (
@@ -52,6 +52,8 @@ class Started:
     """The LoRA adapters, when the server serves them."""
     prefix_caching_off: str | None = None
     """Why prompts' computed prefixes are not reused, or None when they are."""
+    compiler: Compiler | None = None
+    """Which forward the steps take (compiled, or being compiled); None for a backend with its own engine."""
 
 
 def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
@@ -59,6 +61,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     """Choose the plugins, load the model, size KV memory, resolve the limits and warm up.
     The engine is returned ready but not started."""
     kv_memory.bound_native_caches()
+    use_compile_cache_dir()
     if config.disable_custom_kernels:
         native_kernels.turn_off("--disable-custom-kernels")
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler,
@@ -125,7 +128,7 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
             "max_tokens": config.max_batch_total_tokens, "kv_dtype": cache_dtype,
             "prepack_weights": config.prepack_weights, "disable_custom_kernels": config.disable_custom_kernels,
             "prefix_caching": prefix_caching_off is None})
-    compiling = config.compile_model and try_compile(config, loaded, runner)
+    compiler = Compiler(config, loaded, runner, stages)
     queue = new_queue(config, chosen, padded=not paged)
     engine = Engine(runner, queue, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
@@ -135,11 +138,12 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
         log.info("speculation is on: up to %d n-gram draft tokens per sequence and step", config.speculate)
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
-            detail="compiling the forward (torch.compile)" if compiling else "")
+            detail="compiling the forward (torch.compile)" if compiler.in_warm_up else "")
+    compiler.warmed_up()
     watch(engine, config)
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)
-    return Started(engine, loaded, chosen, vocab_size, config, adapters, prefix_caching_off)
+    return Started(engine, loaded, chosen, vocab_size, config, adapters, prefix_caching_off, compiler)
 
 
 def hub_cache(config: Config) -> str | None:

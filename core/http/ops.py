@@ -178,6 +178,7 @@ class InfoRoute:
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
             "load_stages": state.stages.done,
+            "forward": state.compiler.forward if state.compiler is not None else None,
             "queue_size": state.engine.queue_size if state.engine else 0,
             "batch_size": state.engine.batch_size if state.engine else 0,
         }

@@ -22,6 +22,7 @@ from tokenmill.http.workers import ValidationWorkers
 from tokenmill.model import sharding
 from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.chat_template import read_chat_template, use_chat_template
+from tokenmill.model.compile import Compiler
 from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
 from tokenmill.model.lora import Adapter, AdapterBusy, AdapterError
 from tokenmill.model.sharding import ShardProcesses
@@ -91,6 +92,8 @@ class ServerState:
         """The LoRA adapters (with --lora-adapters or --lora-cache-limit)."""
         self.prefix_caching_off: str | None = None
         """Once loaded: why prompts' computed prefixes are not reused, or None when they are."""
+        self.compiler: Compiler | None = None
+        """Once loaded: which forward the steps take (eager, compiling in the background, compiled)."""
         self.vocab_size = 0
         self.in_flight = 0
         self.draining = False
@@ -112,6 +115,7 @@ class ServerState:
         self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off
+        self.compiler = started.compiler
         adapters, config = started.adapters, self.config
         self.workers.start(lambda tokenizer: Validator(
             tokenizer, config, started.vocab_size,

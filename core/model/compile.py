@@ -1,15 +1,27 @@
-"""Whether the model's forward is compiled (torch.compile) with these settings, and asking the runner to."""
+"""Whether the model's forward is compiled (torch.compile) with these settings, and asking the runner to:
+before the server is ready (the warm-up pays the compile) or, where the runner can build it on steps of
+its own, in the background while the server serves with the eager forward."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from tokenmill.model.kv_memory import trim_heap
+from tokenmill.model.loading import cache_dir
 
 if TYPE_CHECKING:
     from tokenmill.config import Config
-    from tokenmill.model.loading import LoadedModel
+    from tokenmill.model.loading import LoadedModel, Stages
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +37,91 @@ def compile_unavailable_reason(config: Config, loaded: LoadedModel, runner: Any)
     return runner.compile_unavailable_reason()
 
 
-def try_compile(config: Config, loaded: LoadedModel, runner: Any) -> bool:
-    """Have ``runner`` compile its forward where it can (the warm-up then compiles it); whether it will."""
-    reason = compile_unavailable_reason(config, loaded, runner)
-    if reason:
-        log.info("the forward runs eagerly: %s", reason)
-        return False
-    runner.compile_forward()
-    return True
+Forward = Literal["eager", "compiling", "compiled"]
+"""Which forward the steps run: /info's ``forward``."""
+
+
+def use_compile_cache_dir() -> Path:
+    """Point inductor's caches (its compiled C++ kernels, the FX graph and autotuning caches) into tokenmill's
+    cache, per torch version, unless ``TORCHINDUCTOR_CACHE_DIR`` says where: its default, under /tmp, is
+    lost with a restarted container. Inductor keys each entry by what it compiled, so models and settings
+    share the directory safely. Call before the first compile."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen or chosen == inductor_default_cache_dir():  # importing parts of torch sets the default
+        chosen = str(cache_dir() / "inductor" / f"torch-{torch.__version__}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
+    return Path(chosen)
+
+
+def inductor_default_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
+    except ImportError:
+        return None
+    return default_cache_dir()
+
+
+COMPILE_SWITCH_INTERVAL = 0.0002
+"""The GIL's switch interval while a compile runs beside the engine: an eager step lets go of the GIL
+in each of its thousands of operators and waits, every time, until the compiling thread is made to
+give it back; at Python's 5 ms that made a step of SmolLM2 last seconds."""
+
+
+def yield_to_engine() -> None:
+    """Give the calling thread (and the compiler processes it starts) the lowest CPU priority, where
+    the OS lets one thread have its own (Linux)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class Compiler:
+    """Which forward the runner's steps take, and having the compiled one built: by the warm-up's first
+    steps (``compile_forward``), or, where the runner offers ``build_compiled_forward`` and no
+    ``--compile-before-ready`` asks otherwise, in a thread of its own while the engine steps eagerly,
+    timed as the load stage "compiling the forward"."""
+
+    STAGE = "compiling the forward"
+
+    def __init__(self, config: Config, loaded: LoadedModel, runner: Any, stages: Stages) -> None:
+        self.runner = runner
+        self.stages = stages
+        self.forward: Forward = "eager"
+        reason = compile_unavailable_reason(config, loaded, runner) if config.compile_model else "--no-compile-model"
+        self.in_background = reason is None and hasattr(runner, "build_compiled_forward") \
+            and not config.compile_before_ready
+        self.in_warm_up = reason is None and not self.in_background
+        self.thread: threading.Thread | None = None
+        if reason:
+            log.info("the forward runs eagerly: %s", reason)
+        elif self.in_warm_up:
+            runner.compile_forward()
+
+    def warmed_up(self) -> None:
+        """After the warm-up: note the compile it did, or start the one in the background."""
+        if self.in_warm_up and getattr(self.runner, "compiled", True) is not None:
+            self.forward = "compiled"
+        if self.in_background:
+            self.forward = "compiling"
+            self.thread = threading.Thread(target=self._build, name="tokenmill-compile", daemon=True)
+            self.thread.start()
+
+    def _build(self) -> None:
+        yield_to_engine()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
+        try:
+            self.stages.run(self.STAGE, self.runner.build_compiled_forward,
+                            detail="torch.compile, in the background: steps ran eagerly until it was built")
+        except Exception as error:  # noqa: BLE001 - the eager forward keeps serving
+            log.warning("the forward stays eager: %s", error)
+            self.forward = "eager"
+            return
+        finally:
+            sys.setswitchinterval(switch_interval)
+        self.forward = "compiled"
+        gc.collect()  # what tracing left behind (graphs, fake tensors) goes back to the OS with the heap's trim
+        trim_heap()
+        log.info("steps now run through the compiled forward")
 
 
 def inductor_unavailable_reason() -> str | None:

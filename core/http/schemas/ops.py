@@ -57,6 +57,8 @@ class Info(ResponseModel):
     ready: bool | None = None
     load_stage: str | None = None
     load_stages: list[LoadStage] | None = None
+    forward: Literal["eager", "compiling", "compiled"] | None = None
+    """The model forward the steps run: compiled, eager, or eager while the compiled one is built."""
     queue_size: int | None = None
     batch_size: int | None = None
 

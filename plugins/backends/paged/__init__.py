@@ -12,7 +12,6 @@ inductor fuses what lies between the matmuls (norms, rotary, activations, residu
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -41,7 +40,8 @@ from tokenmill.model.compat import packed_steps_unavailable_reason
 from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
 from tokenmill.model.lora import adapter_rows, lora_batch
-from tokenmill_plugins.backends.paged.attention import ATTENTION_NAME, current_step, paged_attention_forward
+from tokenmill_plugins.backends.paged.attention import ATTENTION_NAME, paged_attention_forward
+from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,9 @@ class PagedRunner(BackendRunner):
         self.pool = pool
         self.kernel = kernel
         self.device = next(model.parameters()).device
-        self.compiled: Any = None
-        """The compiled forward once :meth:`compile_forward` ran; the next step compiles it."""
-        self._compiled_ran = False
+        self.compiled: CompiledForward | None = None
+        """The compiled forward once :meth:`compile_forward` ran (the next step compiles it) or
+        :meth:`build_compiled_forward` built it."""
         self.prefix_caching = False
         """Set by :meth:`enable_prefix_caching`: full blocks are named and reused across sequences."""
         self._chains: dict[int, BlockChain] = {}
@@ -79,7 +79,15 @@ class PagedRunner(BackendRunner):
     def compile_forward(self) -> None:
         """Run later steps through ``torch.compile`` (inductor): one graph for every step size, since
         the token count is left symbolic; the first step pays the compile (tens of seconds)."""
-        self.compiled = torch.compile(self.model, dynamic=True, fullgraph=True)
+        self.compiled = CompiledForward(self.model)
+
+    def build_compiled_forward(self) -> None:
+        """Compile the forward now, from a thread other than the engine's, on made-up steps of its own;
+        steps run eagerly until it is built, and through it from then on. Raises if the compile fails
+        (the forward then stays eager)."""
+        forward = CompiledForward(self.model)
+        forward.build(self.pool, self.kernel, self.device)
+        self.compiled = forward
 
     def prefix_caching_unavailable_reason(self) -> str | None:
         """Why :meth:`enable_prefix_caching` cannot run with this KV pool, or None."""
@@ -312,35 +320,15 @@ class PagedRunner(BackendRunner):
                           keep: torch.Tensor) -> Any:
         """The model's output through the compiled forward; None when its first call (the compile) failed,
         which leaves the runner eager from then on."""
-        for tensor, dim in ((input_ids, 1), (positions, 1), (keep, 0)):
-            # Unbacked: sizes of 1 (one decode row, one kept logit) share the graph instead of their own.
-            torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        token = current_step.set(step)
+        forward = self.compiled
         try:
-            # Weights as constants, so the oneDNN matmuls take them packed (inductor packs plain ones itself).
-            # Set per call, not through compile options: the compile happens inside the first call.
-            # Once compiled, the guards are not evaluated again: every step has the same kinds of inputs (token
-            # ids, positions and kept rows of any length, the model unchanged), and checking the model's guards
-            # cost 1.4 ms a step, 9 % of a bf16 decode step of one sequence.
-            with torch._inductor.config.patch(freezing=True), self._guard_stance():
-                out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+            return forward(input_ids, positions, step, keep)
         except Exception as error:  # noqa: BLE001 - a failed compile must not stop a server that can run eagerly
-            if self._compiled_ran:
+            if forward.ran:
                 raise
             log.warning("compiling the forward failed (%s: %s); it runs eagerly", type(error).__name__, error)
             self.compiled = None  # the eager forward then writes the same KV slots again
             return None
-        finally:
-            current_step.reset(token)
-        self._compiled_ran = True
-        return out
-
-    def _guard_stance(self) -> Any:
-        """Skip guard evaluation once compiled (``torch.compiler.set_stance``, torch 2.6 and later)."""
-        set_stance = getattr(torch.compiler, "set_stance", None)
-        if set_stance is None or not self._compiled_ran:
-            return contextlib.nullcontext()
-        return set_stance("default", skip_guard_eval_unsafe=True)
 
 
 class PagedBackend(Backend):
