@@ -3,6 +3,7 @@ builds it (same plugins, KV sizing and warm-up) with end-of-sequence ignored."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ def start_ignoring_eos(config: Any) -> Any:
     from tokenmill.model.loading import Stages
     from tokenmill.plugin_manager import build_plugin_manager
 
-    started = start_engine(config, build_plugin_manager(), Stages())
+    # The compile in the warm-up: measured steps run the compiled forward from the first.
+    started = start_engine(dataclasses.replace(config, compile_before_ready=True), build_plugin_manager(), Stages())
     started.engine.output.eos_ids = set()
     return started

@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--block-size", type=int, default=None)
     args = parser.parse_args()
-    started = start_engine(Config(prefix_caching=args.prefix_caching, block_size=args.block_size),
+    started = start_engine(Config(prefix_caching=args.prefix_caching, block_size=args.block_size,
+                                  compile_before_ready=True),
                            build_plugin_manager(), Stages())
     engine, tokenizer = started.engine, started.loaded.tokenizer
     result = converse(engine, tokenizer, system_prompt(tokenizer, args.system_tokens), args.conversations,

@@ -301,7 +301,7 @@ def test_the_background_compile_is_a_load_stage_and_info_says_which_forward_runs
     stages = Stages()
     compiler = Compiler(Config(), loaded, engine.runner, stages)
     assert (compiler.in_background, compiler.in_warm_up, engine.runner.compiled) == (True, False, None)
-    compiler.warmed_up()
+    compiler.start()
     assert compiler.forward == "compiling"
     compiler.thread.join()
     assert compiler.forward == "compiled" and engine.runner.compiled is not None
@@ -310,7 +310,7 @@ def test_the_background_compile_is_a_load_stage_and_info_says_which_forward_runs
     before_ready = Compiler(Config(compile_before_ready=True), loaded, engine.runner, Stages())
     assert before_ready.in_warm_up and not before_ready.in_background
     eager = Compiler(Config(compile_model=False), loaded, engine.runner, Stages())
-    eager.warmed_up()
+    eager.start()
     assert (eager.in_warm_up, eager.in_background, eager.forward) == (False, False, "eager")
 
 
@@ -330,7 +330,7 @@ def test_a_background_compile_that_fails_leaves_the_eager_forward(paged_model, t
     monkeypatch.setattr(engine.runner, "build_compiled_forward", broken_build)
     stages = Stages()
     compiler = Compiler(Config(), SimpleNamespace(model=paged_model, quantization=None), engine.runner, stages)
-    compiler.warmed_up()
+    compiler.start()
     compiler.thread.join()
     assert compiler.forward == "eager" and engine.runner.compiled is None
     assert stages.done[-1]["detail"].startswith("failed: model load failed while compiling the forward")

@@ -53,7 +53,8 @@ class Started:
     prefix_caching_off: str | None = None
     """Why prompts' computed prefixes are not reused, or None when they are."""
     compiler: Compiler | None = None
-    """Which forward the steps take (compiled, or being compiled); None for a backend with its own engine."""
+    """Which forward the steps take; its ``start()``, once the engine serves, begins a compile in the
+    background where one is due. None for a backend with its own engine."""
 
 
 def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
@@ -139,7 +140,6 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
             detail="compiling the forward (torch.compile)" if compiler.in_warm_up else "")
-    compiler.warmed_up()
     watch(engine, config)
     log.info("ready: %s on %s (%s backend, %s attention)", loaded.model_id, loaded.device,
              chosen.backend.name, chosen.attention.name)

@@ -128,6 +128,8 @@ class ServerState:
         started.engine.broken_observer = self._exit_when_broken
         started.engine.start()
         self.engine = started.engine
+        if self.compiler is not None:
+            self.compiler.start()
 
     def _exit_when_broken(self, reason: str) -> None:
         """The engine broke (every request was told): /health says 503 for a moment, then the process exits."""

@@ -96,8 +96,9 @@ class Compiler:
         elif self.in_warm_up:
             runner.compile_forward()
 
-    def warmed_up(self) -> None:
-        """After the warm-up: note the compile it did, or start the one in the background."""
+    def start(self) -> None:
+        """Once the server serves (the warm-up done, the engine stepping): note the compile the warm-up
+        did, or start the one in the background, which then takes no CPU from the start itself."""
         if self.in_warm_up and getattr(self.runner, "compiled", True) is not None:
             self.forward = "compiled"
         if self.in_background:
