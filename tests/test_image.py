@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 K8S = ROOT / "image" / "k8s"
-MANIFESTS = sorted(K8S.glob("*.yaml"))
+GATEWAY_K8S = ROOT / "image" / "gateway" / "k8s"
+MANIFESTS = sorted(K8S.glob("*.yaml")) + sorted(GATEWAY_K8S.glob("*.yaml"))
 ENTRYPOINT = "/opt/tokenmill/image/entrypoint.sh"
 
 
@@ -133,7 +134,7 @@ def test_the_image_readme_gives_tgi_s_command_line_and_the_ways_to_bind_port_80(
         assert needed in readme, needed
 
 
-@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda path: path.name)
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda path: str(path.relative_to(ROOT / "image")))
 def test_every_manifest_validates_strictly_against_recent_kubernetes(manifest):
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
     yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")

@@ -1,6 +1,7 @@
 """The ``tokenmill`` command: ``launch`` serves a model, ``plugins`` lists what is installed,
-``watermark-detect`` tests text for the green-list watermark. Each command lives in its own module
-(:mod:`.launch`, :mod:`.plugins`, :mod:`.watermark`); :func:`main` dispatches to them."""
+``watermark-detect`` tests text for the green-list watermark, ``gateway-config`` writes a gateway's
+config for several models. Each command lives in its own module (:mod:`.launch`, :mod:`.plugins`,
+:mod:`.watermark`, :mod:`.gateway`); :func:`main` dispatches to them."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ __all__ = [
     "text_to_test", "watermark_detect", "watermark_gamma", "watermark_parser",
 ]
 
-USAGE = """usage: tokenmill {launch,plugins,watermark-detect,version} [options]
+USAGE = """usage: tokenmill {launch,plugins,watermark-detect,gateway-config,version} [options]
 
   launch            serve a model over TGI's HTTP API (tokenmill launch --help)
   plugins           list the registered backends, attention kernels, schedulers and KV allocators
   watermark-detect  test text for the watermark `launch` adds (tokenmill watermark-detect --help)
+  gateway-config    print an nginx or Envoy config serving several models from one address, by the
+                    x-model header (tokenmill gateway-config --help)
   version           print the version
 """
 
@@ -45,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plugins.list_plugins(rest)
     if command == "watermark-detect":
         return watermark.watermark_detect(rest)
+    if command == "gateway-config":
+        from tokenmill.cli.gateway import gateway_config
+
+        return gateway_config(rest)
     if command in ("version", "--version"):
         print(__version__)
         return 0

@@ -1,0 +1,238 @@
+"""``tokenmill gateway-config``: two tokenmill servers on different checkpoints behind a real nginx run
+with the generated config, routed by ``x-model``; the Envoy output checked for its structure."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import free_port, start_server
+
+from tokenmill.cli import main
+from tokenmill.cli.gateway import GatewayConfigError, parse_listen, parse_models
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+
+
+def generated(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["gateway-config", *args]) == 0
+    return capsys.readouterr().out
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_models_take_instances_timeouts_and_connection_limits():
+    small, big = parse_models(["small=http://127.0.0.1:8001,timeout=30,max-connections=4",
+                               "big=10.0.0.2:80", "big=http://10.0.0.3:8080/"])
+    assert (small.name, small.timeout_s, small.max_connections, small.upstream) == ("small", 30, 4, "model_small")
+    assert [i.address for i in small.instances] == ["127.0.0.1:8001"]
+    assert [i.address for i in big.instances] == ["10.0.0.2:80", "10.0.0.3:8080"]
+    assert parse_listen("0.0.0.0:8080") == ("0.0.0.0", 8080) and parse_listen(":81") == ("0.0.0.0", 81)
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("small", "expected NAME=URL"),
+    ("sm all=http://h:1", "a model name is letters"),
+    ("small=https://h:1", "must be http://HOST:PORT"),
+    ("small=http://h:1/v1", "must be http://HOST:PORT"),
+    ("small=http://h:1,timeout=0", "timeout takes a whole number"),
+    ("small=http://h:1,retries=2", "unknown option 'retries'"),
+])
+def test_a_bad_model_is_a_clear_error(spec, said):
+    with pytest.raises(GatewayConfigError, match=said):
+        parse_models([spec])
+
+
+def test_the_command_exits_2_with_the_reason(capsys):
+    assert main(["gateway-config", "--format", "nginx", "--listen", "nowhere", "--model", "a=http://h:1"]) == 2
+    assert "--listen 'nowhere': expected HOST:PORT" in capsys.readouterr().err
+    assert main(["gateway-config", "--format", "nginx"]) == 2
+    assert "give at least one --model" in capsys.readouterr().err
+
+
+def test_the_envoy_bootstrap_has_a_cluster_route_and_timeout_per_model(capsys):
+    text = generated(capsys, "--format", "envoy", "--listen", "0.0.0.0:8080",
+                     "--model", "small=http://10.0.0.1:80,timeout=30,max-connections=8",
+                     "--model", "big=http://10.0.0.2:80", "--model", "big=http://10.0.0.3:80")
+    config = yaml.safe_load(text)
+    listener, = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8080}
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    by_model = {route["match"]["headers"][0]["string_match"]["exact"]: route["route"]
+                for route in routes if "route" in route}
+    assert by_model == {"small": {"cluster": "model_small", "timeout": "0s", "idle_timeout": "30s"},
+                        "big": {"cluster": "model_big", "timeout": "0s", "idle_timeout": "600s"}}
+    clusters = {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+    assert set(clusters) == {"model_small", "model_big"}
+    endpoints = [e["endpoint"]["address"]["socket_address"]
+                 for e in clusters["model_big"]["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert endpoints == [{"address": "10.0.0.2", "port_value": 80}, {"address": "10.0.0.3", "port_value": 80}]
+    assert clusters["model_small"]["circuit_breakers"]["thresholds"][0]["max_requests"] == 8
+    unknown = next(route for route in routes if route["name"] == "unknown_model")["direct_response"]
+    assert unknown["status"] == 404
+    assert json.loads(unknown["body"]["inline_string"])["error"].endswith("serves small, big")
+    itself = next(route for route in routes if route["name"] == "gateway_itself")
+    assert itself["match"]["path"] == "/" and itself["direct_response"]["status"] == 200
+    assert [m["status_code"] for m in manager["local_reply_config"]["mappers"]] == [429, 502, 504]
+
+
+# ---- a real nginx in front of two real servers ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nginx() -> str:
+    if NGINX is None:
+        pytest.skip("nginx is not installed (apt-get install -y nginx-light; .ci/run installs it)")
+    return NGINX
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two servers on two checkpoints (the tiny model, and a copy of it elsewhere): their /info model_id differ."""
+    other = tmp_path_factory.mktemp("other-checkpoint") / "tiny-copy"
+    shutil.copytree(tiny_model_dir, other)
+    logs = tmp_path_factory.mktemp("gateway-servers")
+    servers = {}
+    try:
+        for name, checkpoint in (("first", tiny_model_dir), ("second", other)):
+            servers[name] = start_server(["--model-id", str(checkpoint), "--server", "uvicorn",
+                                          "--dtype", "float32", "--max-total-tokens", "1024"], logs)
+        yield servers, {"first": str(tiny_model_dir), "second": str(other)}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(nginx: str, two_models, tmp_path_factory: pytest.TempPathFactory):
+    servers, _ = two_models
+    prefix = tmp_path_factory.mktemp("nginx")
+    port = free_port()
+    config = prefix / "nginx.conf"
+    models = [f"{name}={server.url},timeout=60,max-connections=8" for name, server in servers.items()]
+    config.write_text(render_nginx(port, models))
+    process = subprocess.Popen([nginx, "-p", str(prefix), "-c", str(config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, process, prefix)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def render_nginx(port: int, models: list[str]) -> str:
+    flags = [part for model in models for part in ("--model", model)]
+    result = subprocess.run([sys.executable, "-m", "tokenmill", "gateway-config", "--format", "nginx",
+                             "--listen", f"127.0.0.1:{port}", *flags],
+                            capture_output=True, text=True, check=True, timeout=120)
+    return result.stdout
+
+
+def wait_for(url: str, process: subprocess.Popen, prefix: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"nginx exited: {process.stdout.read().decode() if process.stdout else ''}\n"
+                               f"{(prefix / 'error.log').read_text(errors='replace')}")
+        try:
+            if httpx.get(url + "/", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("nginx did not answer within 30 s")
+
+
+def test_nginx_runs_in_the_foreground_with_its_files_under_the_prefix(gateway):
+    answer = httpx.get(gateway + "/")
+    assert answer.status_code == 200 and answer.json() == {"status": "ok", "models": ["first", "second"]}
+
+
+def test_each_header_reaches_its_own_model_on_every_route(gateway, two_models):
+    _, checkpoints = two_models
+    with httpx.Client(base_url=gateway, timeout=60) as client:
+        for name, checkpoint in checkpoints.items():
+            headers = {"x-model": name}
+            assert client.get("/info", headers=headers).json()["model_id"] == checkpoint
+            assert client.get("/health", headers=headers).status_code == 200
+            assert "tgi_request_count" in client.get("/metrics", headers=headers).text
+            generated_text = client.post("/generate", headers=headers, json={
+                "inputs": "Hello", "parameters": {"max_new_tokens": 5}}).json()["generated_text"]
+            assert isinstance(generated_text, str)
+            chat = client.post("/v1/chat/completions", headers=headers, json={
+                "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+            assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+
+
+def test_a_stream_passes_event_by_event_not_at_its_end(gateway):
+    arrivals = []
+    started = time.perf_counter()
+    with httpx.stream("POST", gateway + "/generate_stream", headers={"x-model": "first"}, timeout=60, json={
+            "inputs": "Once upon a time", "parameters": {"max_new_tokens": 200, "stop": []}}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) >= 50
+    # Buffered, events land in bursts, a proxy buffer (4-8 KB, some 25 events) at a time; streamed, one by one,
+    # each a decode step after the one before.
+    apart = sum(1 for before, after in zip(arrivals, arrivals[1:]) if after - before > 0.001)
+    assert apart > 0.5 * len(arrivals), (apart, len(arrivals))
+
+
+@pytest.mark.parametrize("headers, said", [({"x-model": "third"}, "unknown model"), ({}, "no x-model header")])
+def test_an_unknown_or_missing_model_is_tgis_json_404_naming_the_known_ones(gateway, headers, said):
+    answer = httpx.post(gateway + "/generate", headers=headers, json={"inputs": "Hi"})
+    assert answer.status_code == 404 and answer.headers["content-type"] == "application/json"
+    body = answer.json()
+    assert set(body) == {"error", "error_type"} and said in body["error"] and "first, second" in body["error"]
+
+
+def test_a_model_that_is_down_answers_a_json_502_while_the_other_serves(gateway, two_models):
+    servers, checkpoints = two_models
+    servers["second"].stop()
+    down = httpx.post(gateway + "/generate", headers={"x-model": "second"}, json={"inputs": "Hi"}, timeout=60)
+    assert down.status_code in (502, 503) and down.headers["content-type"] == "application/json"
+    assert set(down.json()) == {"error", "error_type"}
+    up = httpx.get(gateway + "/info", headers={"x-model": "first"}, timeout=60)
+    assert up.status_code == 200 and up.json()["model_id"] == checkpoints["first"]
+
+
+# ---- the worked example in image/gateway ---------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "image" / "gateway"
+
+
+def test_the_examples_configs_are_what_example_sh_generates(tmp_path):
+    copy = tmp_path / "gateway"
+    shutil.copytree(EXAMPLE, copy)
+    subprocess.run(["bash", str(copy / "example.sh")], check=True, timeout=120, env={**os.environ,
+                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    for name in ("nginx.conf", "envoy.yaml"):
+        assert (copy / name).read_text() == (EXAMPLE / name).read_text(), f"run image/gateway/example.sh: {name}"
+
+
+def test_the_example_gateway_deployment_serves_the_generated_config_for_each_models_service():
+    documents = [d for d in yaml.safe_load_all((EXAMPLE / "k8s" / "gateway.yaml").read_text()) if d]
+    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+    assert config_map["data"]["nginx.conf"] == (EXAMPLE / "nginx.conf").read_text()
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    nginx, = deployment["spec"]["template"]["spec"]["containers"]
+    assert nginx["command"][:5] == ["nginx", "-p", "/var/run/gateway", "-c", "/etc/tokenmill-gateway/nginx.conf"]
+    models = [d for d in yaml.safe_load_all((EXAMPLE / "k8s" / "models.yaml").read_text()) if d]
+    services = {d["metadata"]["name"] for d in models if d["kind"] == "Service"}
+    assert {d["kind"] for d in models} == {"Deployment", "Service", "HorizontalPodAutoscaler"} and len(models) == 9
+    upstreams = {line.split("http://")[1].split(":")[0] for line in (EXAMPLE / "example.sh").read_text().splitlines()
+                 if "--model " in line}
+    assert upstreams == services
