@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("scenario", nargs="?",
                         choices=[*SCENARIOS, "latency", "mixed", "multiturn", "grammar", "quant", "shards", "lora",
-                                 "soak", "dtype", "speculate"],
+                                 "soak", "dtype", "speculate", "coldstart"],
                         default="quick",
                         help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
                         + "; latency: prefill and decode latency per batch size, on the engine"
@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                         + "; soak: thousands of valid, invalid and rude requests on one server; its goals "
                           "(no 5xx, every request answered, RSS flat, KV back) set the exit status"
                         + "; speculate: tokenmill --speculate 0/2/4/6 and vLLM's ngram speculation on answers that "
-                          "copy from the prompt and on free writing, with a greedy identity check")
+                          "copy from the prompt and on free writing, with a greedy identity check"
+                        + "; coldstart: first and warm starts of tokenmill and vLLM CPU (time to ready, the first "
+                          "request's TTFT, RSS at rest and under c=64), and tokenmill in a memory cgroup")
     parser.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
     parser.add_argument("--setup-peers", action="store_true",
@@ -251,11 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing files")
     parser.add_argument("--from-json", type=Path, metavar="RUN.json",
                         help="run nothing: write the section and chart of a saved run again")
-    if (argv if argv is not None else sys.argv[1:])[:1] == ["speculate"]:
-        from bench import speculate
+    if (argv if argv is not None else sys.argv[1:])[:1] in (["speculate"], ["coldstart"]):
+        from bench import coldstart, speculate
 
         # its own --systems, --from-json and --help, which the harness's would refuse or take
-        return speculate.main(list(argv if argv is not None else sys.argv[1:])[1:])
+        raw = list(argv if argv is not None else sys.argv[1:])
+        return {"speculate": speculate, "coldstart": coldstart}[raw[0]].main(raw[1:])
     args, rest = parser.parse_known_args(argv)
     if args.from_json:
         return publish(json.loads(args.from_json.read_text()), args.out)

