@@ -279,14 +279,39 @@ def test_a_forward_compiled_in_the_background_serves_eagerly_until_built_and_the
     builder.start()
     while_building, _ = run(engine, REQUESTS)  # the engine's steps meanwhile: eager, whatever the builder does
     builder.join()
-    assert engine.runner.compiled is not None and engine.runner.compiled.ran
+    assert engine.runner.compiled is not None and not engine.runner.compiled.ran  # the engine's first call checks
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1
     requests = REQUESTS + [(PROMPTS[0], 30, 40)]
     compiled, _ = run(engine, requests)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1, "its steps reuse the graph"
+    assert engine.runner.compiled.ran
     check_against_generate(tiny_model[0], tokenizer, REQUESTS, while_building)
     check_against_generate(tiny_model[0], tokenizer, requests, compiled)
     assert_pool_empty(engine)
+
+
+def test_a_built_forward_that_fails_in_the_engines_first_step_gives_way_to_the_eager_one(paged_model, tiny_model,
+                                                                                        monkeypatch):
+    from types import SimpleNamespace
+
+    from tokenmill.config import Config
+    from tokenmill.model.compile import Compiler
+    from tokenmill.model.loading import Stages
+
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True)
+    compiler = Compiler(Config(), SimpleNamespace(model=paged_model, quantization=None), engine.runner, Stages())
+    compiler.start()
+    compiler.thread.join()
+    assert compiler.forward == "compiled"
+
+    def broken(**inputs):
+        raise RuntimeError("torch.compile with fullgraph=True found no compiled frames.")
+
+    monkeypatch.setattr(engine.runner.compiled, "compiled", broken)
+    sinks, _ = run(engine, REQUESTS[:3])
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS[:3], sinks)  # no request failed
+    assert engine.runner.compiled is None and compiler.forward == "eager"
 
 
 def test_the_background_compile_is_a_load_stage_and_info_says_which_forward_runs(paged_model, tiny_model):

@@ -127,9 +127,9 @@ class ServerState:
         started.engine.step_observer = self.metrics.step_finished
         started.engine.broken_observer = self._exit_when_broken
         started.engine.start()
-        self.engine = started.engine
-        if self.compiler is not None:
+        if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
             self.compiler.start()
+        self.engine = started.engine
 
     def _exit_when_broken(self, reason: str) -> None:
         """The engine broke (every request was told): /health says 503 for a moment, then the process exits."""

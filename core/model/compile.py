@@ -85,7 +85,7 @@ class Compiler:
     def __init__(self, config: Config, loaded: LoadedModel, runner: Any, stages: Stages) -> None:
         self.runner = runner
         self.stages = stages
-        self.forward: Forward = "eager"
+        self.state: Forward = "eager"
         reason = compile_unavailable_reason(config, loaded, runner) if config.compile_model else "--no-compile-model"
         self.in_background = reason is None and hasattr(runner, "build_compiled_forward") \
             and not config.compile_before_ready
@@ -96,13 +96,20 @@ class Compiler:
         elif self.in_warm_up:
             runner.compile_forward()
 
+    @property
+    def forward(self) -> Forward:
+        """What the steps run now: a compiled forward whose first steps failed was dropped for the eager one."""
+        if self.state == "compiled" and getattr(self.runner, "compiled", True) is None:
+            return "eager"
+        return self.state
+
     def start(self) -> None:
         """Once the server serves (the warm-up done, the engine stepping): note the compile the warm-up
         did, or start the one in the background, which then takes no CPU from the start itself."""
         if self.in_warm_up and getattr(self.runner, "compiled", True) is not None:
-            self.forward = "compiled"
+            self.state = "compiled"
         if self.in_background:
-            self.forward = "compiling"
+            self.state = "compiling"
             self.thread = threading.Thread(target=self._build, name="tokenmill-compile", daemon=True)
             self.thread.start()
 
@@ -115,11 +122,11 @@ class Compiler:
                             detail="torch.compile, in the background: steps ran eagerly until it was built")
         except Exception as error:  # noqa: BLE001 - the eager forward keeps serving
             log.warning("the forward stays eager: %s", error)
-            self.forward = "eager"
+            self.state = "eager"
             return
         finally:
             sys.setswitchinterval(switch_interval)
-        self.forward = "compiled"
+        self.state = "compiled"
         gc.collect()  # what tracing left behind (graphs, fake tensors) goes back to the OS with the heap's trim
         trim_heap()
         log.info("steps now run through the compiled forward")

@@ -70,6 +70,9 @@ class CompiledForward:
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
             positions = torch.arange(tokens, device=device).unsqueeze(0)
             self(ids, positions, step, torch.arange(tokens - kept, tokens, device=device))
+        # The engine thread's first call evaluates dynamo's guards again (and its failure, unlike a later
+        # one's, falls back to the eager forward instead of failing the step).
+        self.ran = False
 
 
 class ScratchPool:
