@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
-from conftest import free_port, start_server
+from conftest import free_port, start_server, tiny_llama_config
 
 from tokenmill.cli import main
 from tokenmill.cli.gateway import GatewayConfigError, parse_listen, parse_models
@@ -98,9 +99,14 @@ def nginx() -> str:
 
 @pytest.fixture(scope="module")
 def two_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Two servers on two checkpoints (the tiny model, and a copy of it elsewhere): their /info model_id differ."""
-    other = tmp_path_factory.mktemp("other-checkpoint") / "tiny-copy"
-    shutil.copytree(tiny_model_dir, other)
+    """Two servers on two checkpoints, the tiny model and one of other random weights: their /info model_id and
+    their greedy answers differ."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    other = tmp_path_factory.mktemp("other-checkpoint") / "tiny-other"
+    torch.manual_seed(1)
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
     logs = tmp_path_factory.mktemp("gateway-servers")
     servers = {}
     try:
@@ -159,20 +165,33 @@ def test_nginx_runs_in_the_foreground_with_its_files_under_the_prefix(gateway):
     assert answer.status_code == 200 and answer.json() == {"status": "ok", "models": ["first", "second"]}
 
 
+GREEDY = {"inputs": "Hello there", "parameters": {"max_new_tokens": 12}}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
+
+
+def streamed_text(response: httpx.Response) -> str:
+    events = [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:")]
+    return "".join(event["token"]["text"] for event in events if not event["token"]["special"])
+
+
 def test_each_header_reaches_its_own_model_on_every_route(gateway, two_models):
-    _, checkpoints = two_models
+    servers, checkpoints = two_models
+    direct = {name: httpx.post(server.url + "/generate", json=GREEDY, timeout=60).json()["generated_text"]
+              for name, server in servers.items()}
+    direct_chat = {name: httpx.post(server.url + "/v1/chat/completions", json={"model": name, **CHAT}, timeout=60)
+                   .json()["choices"][0]["message"]["content"] for name, server in servers.items()}
+    assert direct["first"] != direct["second"], "the two checkpoints must answer differently to tell them apart"
     with httpx.Client(base_url=gateway, timeout=60) as client:
         for name, checkpoint in checkpoints.items():
             headers = {"x-model": name}
             assert client.get("/info", headers=headers).json()["model_id"] == checkpoint
             assert client.get("/health", headers=headers).status_code == 200
             assert "tgi_request_count" in client.get("/metrics", headers=headers).text
-            generated_text = client.post("/generate", headers=headers, json={
-                "inputs": "Hello", "parameters": {"max_new_tokens": 5}}).json()["generated_text"]
-            assert isinstance(generated_text, str)
-            chat = client.post("/v1/chat/completions", headers=headers, json={
-                "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
-            assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+            assert client.post("/generate", headers=headers, json=GREEDY).json()["generated_text"] == direct[name]
+            with client.stream("POST", "/generate_stream", headers=headers, json=GREEDY) as response:
+                assert streamed_text(response) == direct[name]
+            chat = client.post("/v1/chat/completions", headers=headers, json={"model": name, **CHAT})
+            assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == direct_chat[name]
 
 
 def test_a_stream_passes_event_by_event_not_at_its_end(gateway):
