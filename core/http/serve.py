@@ -67,15 +67,15 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler records the signal to raise it again on exit (so the process would
         # die of it): a drained server exits 0 instead. Signal handlers run on the loop's thread
-        # between its callbacks, so hand the work to the loop.
+        # between its callbacks, so hand the work to the loop, with the time the signal arrived (the
+        # loop may run the callback late, and two signals must not look closer than they were).
         if self.loop is None:
             self.should_exit = True
             return
-        self.loop.call_soon_threadsafe(self.on_signal, sig)
+        self.loop.call_soon_threadsafe(self.on_signal, sig, time.monotonic())
 
-    def on_signal(self, sig: int) -> None:
-        now = time.monotonic()
-        repeated, self.last_signal = now - self.last_signal < REPEAT_SECONDS, now
+    def on_signal(self, sig: int, arrived: float) -> None:
+        repeated, self.last_signal = arrived - self.last_signal < REPEAT_SECONDS, arrived
         if repeated:
             log.info("%s: the same stop, delivered twice (to the process group)", signal.Signals(sig).name)
             return
