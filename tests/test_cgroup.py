@@ -13,6 +13,7 @@ import httpx
 import pytest
 from conftest import free_port
 
+from bench.coldstart import make_cgroup
 from tokenmill.model import kv_memory
 from tokenmill.model.cgroup import ContainerMemory, container_memory
 
@@ -98,30 +99,14 @@ def test_the_kv_pool_sizes_from_the_smaller_of_container_and_host(
     assert kv_memory.available_memory_bytes() == expected
 
 
-def writable_memory_cgroup(limit: int) -> Path | None:
-    """A new memory cgroup (v1 or v2) limited to ``limit`` bytes, or None where none can be made."""
-    root = Path("/sys/fs/cgroup")
-    name = f"tokenmill-test-{os.getpid()}"
-    v2 = (root / "cgroup.controllers").exists()
-    group = root / name if v2 else root / "memory" / name
-    try:
-        group.mkdir()
-        (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
-    except OSError:
-        with contextlib.suppress(OSError):
-            group.rmdir()
-        return None
-    return group
-
-
 def test_a_server_in_a_limited_container_sizes_its_kv_pool_from_the_limit(tiny_model_dir, tmp_path):
-    group = writable_memory_cgroup(3 * GiB)
-    if group is None:
-        pytest.skip("no writable memory cgroup here to start a server in")
+    group = make_cgroup(3 * GiB)
+    if isinstance(group, str):
+        pytest.skip(f"no writable memory cgroup here to start a server in: {group}")
     port = free_port()
-    command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"), sys.executable, "-m",
-               "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), "--server", "uvicorn",
-               "--model-id", str(tiny_model_dir), "--backend", "paged", "--dtype", "float32"]
+    command = group.wrap([sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port),
+                          "--server", "uvicorn", "--model-id", str(tiny_model_dir), "--backend", "paged",
+                          "--dtype", "float32"])
     log = tmp_path / "server.log"
     env = {**os.environ, "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1", "COMPILE_MODEL": "false"}
     with open(log, "wb") as out:
@@ -137,12 +122,7 @@ def test_a_server_in_a_limited_container_sizes_its_kv_pool_from_the_limit(tiny_m
     finally:
         server.terminate()
         server.wait(30)
-        for _ in range(50):
-            with contextlib.suppress(OSError):
-                group.rmdir()
-            if not group.exists():
-                break
-            time.sleep(0.2)
+        group.remove()
     text = log.read_text()
     assert "the container's memory limit binds" in text, text[-3000:]
     pool_line = next(line for line in text.splitlines() if "KV pool:" in line)

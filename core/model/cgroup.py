@@ -46,9 +46,9 @@ def container_memory(root: Path = Path("/")) -> ContainerMemory | None:
     for line in lines:
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hierarchy == "0" and controllers == "":
-            limits += _v2_limits(root / "sys/fs/cgroup", path)
+            limits += _limits(root / "sys/fs/cgroup", path, V2)
         elif "memory" in controllers.split(","):
-            limits += _v1_limits(root / "sys/fs/cgroup/memory", path)
+            limits += _limits(root / "sys/fs/cgroup/memory", path, V1)
     return min(limits, key=lambda memory: memory.available, default=None)
 
 
@@ -60,27 +60,30 @@ def _levels(mount: Path, path: str) -> list[Path]:
     return [level for level in levels if level.is_dir()]
 
 
-def _v2_limits(mount: Path, path: str) -> list[ContainerMemory]:
-    found = []
-    for level in _levels(mount, path):
-        limit = _read_int(level / "memory.max")
-        if limit is None:  # "max": no limit at this level, or the root, which has no such file
-            continue
-        used = _read_int(level / "memory.current") or 0
-        found.append(ContainerMemory(limit, _working_set(used, level / "memory.stat", "inactive_file"),
-                                     level / "memory.max"))
-    return found
+@dataclass(frozen=True)
+class Layout:
+    """Where one cgroup version keeps a group's limit, usage and droppable page cache."""
+
+    limit: str
+    usage: str
+    inactive_key: str
+    """The ``memory.stat`` line of page cache the kernel can drop."""
 
 
-def _v1_limits(mount: Path, path: str) -> list[ContainerMemory]:
+V2 = Layout("memory.max", "memory.current", "inactive_file")
+V1 = Layout("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def _limits(mount: Path, path: str, layout: Layout) -> list[ContainerMemory]:
     found = []
     for level in _levels(mount, path):
-        limit = _read_int(level / "memory.limit_in_bytes")
+        limit = _read_int(level / layout.limit)
+        # v2 writes "max" where a level sets no limit (the root has no such file); v1 a huge number
         if limit is None or limit >= UNLIMITED_V1:
             continue
-        used = _read_int(level / "memory.usage_in_bytes") or 0
-        found.append(ContainerMemory(limit, _working_set(used, level / "memory.stat", "total_inactive_file"),
-                                     level / "memory.limit_in_bytes"))
+        used = _read_int(level / layout.usage) or 0
+        found.append(ContainerMemory(limit, _working_set(used, level / "memory.stat", layout.inactive_key),
+                                     level / layout.limit))
     return found
 
 
