@@ -3,9 +3,11 @@ with the generated config, routed by ``x-model``; the Envoy output checked for i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -119,13 +121,18 @@ def two_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             server.stop()
 
 
+GATEWAY_MAX_CONNECTIONS = 4
+"""Requests in flight to one model that the test gateway lets through."""
+
+
 @pytest.fixture(scope="module")
 def gateway(nginx: str, two_models, tmp_path_factory: pytest.TempPathFactory):
     servers, _ = two_models
     prefix = tmp_path_factory.mktemp("nginx")
     port = free_port()
     config = prefix / "nginx.conf"
-    models = [f"{name}={server.url},timeout=60,max-connections=8" for name, server in servers.items()]
+    models = [f"{name}={server.url},timeout=60,max-connections={GATEWAY_MAX_CONNECTIONS}"
+              for name, server in servers.items()]
     config.write_text(render_nginx(port, models))
     process = subprocess.Popen([nginx, "-p", str(prefix), "-c", str(config)], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
@@ -216,6 +223,32 @@ def test_an_unknown_or_missing_model_is_tgis_json_404_naming_the_known_ones(gate
     assert answer.status_code == 404 and answer.headers["content-type"] == "application/json"
     body = answer.json()
     assert set(body) == {"error", "error_type"} and said in body["error"] and "first, second" in body["error"]
+
+
+def request_left_open(gateway: str, model: str) -> socket.socket:
+    """A request whose headers have reached the gateway but whose body never ends: in flight until closed."""
+    url = httpx.URL(gateway)
+    held = socket.create_connection((url.host, url.port), timeout=30)
+    held.sendall(f"POST /generate HTTP/1.1\r\nHost: {url.host}\r\nx-model: {model}\r\n"
+                 "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+    return held
+
+
+def test_a_model_at_its_connection_limit_answers_tgis_json_429_while_the_other_serves(gateway):
+    with contextlib.ExitStack() as in_flight:
+        for _ in range(GATEWAY_MAX_CONNECTIONS):
+            in_flight.enter_context(request_left_open(gateway, "first"))
+        time.sleep(0.5)  # nginx has read each one's headers and counted it
+        over = httpx.post(gateway + "/generate", headers={"x-model": "first"}, json=GREEDY, timeout=60)
+        other = httpx.post(gateway + "/generate", headers={"x-model": "second"}, json=GREEDY, timeout=60)
+    assert over.status_code == 429 and over.headers["content-type"] == "application/json"
+    assert over.json()["error_type"] == "overloaded" and set(over.json()) == {"error", "error_type"}
+    assert other.status_code == 200
+    deadline = time.monotonic() + 10  # the closed requests give their places back
+    while (after := httpx.post(gateway + "/generate", headers={"x-model": "first"}, json=GREEDY,
+                               timeout=60)).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after.status_code == 200
 
 
 def test_a_model_that_is_down_answers_a_json_502_while_the_other_serves(gateway, two_models):
