@@ -3,7 +3,7 @@
 # TOKENMILL_ARGS), through the same functions `tokenmill launch` uses, so the two cannot drift apart.
 import sys
 
-from tokenmill.cli import PREFLIGHT_ERRORS, preflight
+from tokenmill.cli.launch import PREFLIGHT_ERRORS, preflight
 from tokenmill.http.serve import config_from_environment, gunicorn_options
 
 try:

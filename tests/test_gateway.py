@@ -62,6 +62,14 @@ def test_the_command_exits_2_with_the_reason(capsys):
     assert "give at least one --model" in capsys.readouterr().err
 
 
+def test_the_command_needs_no_model_and_does_not_import_torch():
+    probe = ("import sys; from tokenmill.cli import main; "
+             "code = main(['gateway-config', '--format', 'envoy', '--listen', ':81', '--model', 'a=http://h:1']); "
+             "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip() == "0 []" and "clusters:" in done.stdout
+
+
 def test_the_envoy_bootstrap_has_a_cluster_route_and_timeout_per_model(capsys):
     text = generated(capsys, "--format", "envoy", "--listen", "0.0.0.0:8080",
                      "--model", "small=http://10.0.0.1:80,timeout=30,max-connections=8",

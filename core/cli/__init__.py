@@ -1,7 +1,8 @@
 """The ``tokenmill`` command: ``launch`` serves a model, ``plugins`` lists what is installed,
 ``watermark-detect`` tests text for the green-list watermark, ``gateway-config`` writes a gateway's
 config for several models. Each command lives in its own module (:mod:`.launch`, :mod:`.plugins`,
-:mod:`.watermark`, :mod:`.gateway`); :func:`main` dispatches to them."""
+:mod:`.watermark`, :mod:`.gateway`); :func:`main` imports the one it runs, so that a command that needs
+no model (``gateway-config``, ``version``) does not pay for importing torch."""
 
 from __future__ import annotations
 
@@ -9,21 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill import __version__
-from tokenmill.cli import launch, plugins, watermark
-from tokenmill.cli.launch import PREFLIGHT_ERRORS, launch_rank, preflight
-from tokenmill.cli.watermark import (
-    UsageError,
-    load_tokenizer_and_vocab_size,
-    text_to_test,
-    watermark_detect,
-    watermark_gamma,
-    watermark_parser,
-)
 
-__all__ = [
-    "PREFLIGHT_ERRORS", "USAGE", "UsageError", "launch_rank", "load_tokenizer_and_vocab_size", "main", "preflight",
-    "text_to_test", "watermark_detect", "watermark_gamma", "watermark_parser",
-]
+__all__ = ["USAGE", "main"]
 
 USAGE = """usage: tokenmill {launch,plugins,watermark-detect,gateway-config,version} [options]
 
@@ -43,11 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "launch":
-        return launch.launch(rest)
+        from tokenmill.cli.launch import launch
+
+        return launch(rest)
     if command == "plugins":
-        return plugins.list_plugins(rest)
+        from tokenmill.cli.plugins import list_plugins
+
+        return list_plugins(rest)
     if command == "watermark-detect":
-        return watermark.watermark_detect(rest)
+        from tokenmill.cli.watermark import watermark_detect
+
+        return watermark_detect(rest)
     if command == "gateway-config":
         from tokenmill.cli.gateway import gateway_config
 

@@ -16,7 +16,6 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 
 import tokenmill
 from tokenmill.engine.prefix import BlockChain, cacheable_blocks, full_block_hashes
@@ -346,6 +345,8 @@ class PagedBackend(Backend):
         reason = self.model_unavailable_reason(model)
         if reason:
             raise ValueError(reason)
+        from transformers import AttentionInterface  # here, not at the top: importing it costs seconds
+
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         model.set_attn_implementation(ATTENTION_NAME)
         return PagedRunner(model, kv_store, attention)
