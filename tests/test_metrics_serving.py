@@ -84,7 +84,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             for name, seed in (("ad0", 10), ("ad1", 11))}
 
 
-@pytest.fixture(scope="module", params=["transformers", "paged"])
+@pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.slow), "paged"])
 def server(request: pytest.FixtureRequest, tiny_model_dir: Path, adapters: dict[str, Path],
            trace_collector: Collector | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One sequence in the batch at a time (so that a second one queues), a small stream buffer (so

@@ -151,7 +151,8 @@ def test_a_request_still_uploading_when_sigterm_comes_is_served(tiny_model_dir, 
     assert "draining: 1 requests in flight" in server.log()
 
 
-@pytest.mark.parametrize("server_kind", ["uvicorn", "gunicorn"])  # gunicorn passes the second one to its worker
+# gunicorn, the image's server, passes the second signal on to its worker
+@pytest.mark.parametrize("server_kind", ["gunicorn", pytest.param("uvicorn", marks=pytest.mark.slow)])
 def test_a_second_sigterm_ends_the_requests_in_flight_at_once(tiny_model_dir, tmp_path, server_kind):
     server = start_server(["--model-id", str(tiny_model_dir), "--server", server_kind, "--max-total-tokens", "2048",
                            "--stream-buffer-tokens", "2", "--graceful-termination-timeout", "300"], tmp_path)
@@ -356,6 +357,7 @@ def test_debug_profile_returns_a_flame_graph_behind_the_api_key(ops_server):
     assert answer.headers["content-type"] == "image/svg+xml" and b"<svg" in answer.content[:500]
 
 
+@pytest.mark.slow
 def test_profiling_is_off_unless_enabled_and_prompts_are_logged_only_when_asked(tiny_model_dir, tmp_path):
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "256",
                            "--log-prompts"], tmp_path)
@@ -368,6 +370,7 @@ def test_profiling_is_off_unless_enabled_and_prompts_are_logged_only_when_asked(
     assert CANARY in server.log()
 
 
+@pytest.mark.slow
 def test_requests_are_traced_to_the_otlp_collector(tiny_model_dir, tmp_path, collector):
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "256",
                            "--otlp-endpoint", collector.url, "--otlp-service-name", "tokenmill-test"], tmp_path)

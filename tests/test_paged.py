@@ -254,6 +254,7 @@ def test_a_request_as_long_as_the_whole_pool_runs_alone_and_the_queue_moves_on(p
     assert_pool_empty(engine)
 
 
+@pytest.mark.slow
 def test_a_compiled_forward_gives_the_greedy_tokens_of_generate_through_chunks_joins_and_single_rows(
         paged_model, tiny_model):
     _, tokenizer = tiny_model
@@ -314,6 +315,7 @@ def test_a_built_forward_that_fails_in_the_engines_first_step_gives_way_to_the_e
     assert engine.runner.compiled is None and compiler.forward == "eager"
 
 
+@pytest.mark.slow
 def test_the_background_compile_is_a_load_stage_and_info_says_which_forward_runs(paged_model, tiny_model):
     from types import SimpleNamespace
 

@@ -15,6 +15,8 @@ import pytest
 from conftest import RunningServer, overlay_venv, start_server
 from engine_helpers import PROMPTS, reference_greedy
 
+pytestmark = pytest.mark.slow  # builds and installs two packages into a fresh venv
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "plugins" / "packages" / "tokenmill-example"
 VLLM_PLUGIN = ROOT / "plugins" / "packages" / "tokenmill-vllm"

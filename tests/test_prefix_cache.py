@@ -593,6 +593,7 @@ def test_reset_prefix_cache_wants_the_api_key_and_drops_the_cached_blocks(cachin
     assert metric(caching_server, "tokenmill_prefix_cache_blocks") > 0  # that request's blocks, cached again
 
 
+@pytest.mark.slow
 def test_prefix_caching_0_turns_the_cache_off(tiny_model_dir, tmp_path):
     import openai
     from conftest import start_server

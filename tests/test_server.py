@@ -369,6 +369,7 @@ def test_the_app_answers_503_until_the_model_is_ready():
     assert info.json()["ready"] is False and info.json()["load_stage"] == "starting"
 
 
+@pytest.mark.slow
 def test_paged_server_with_a_small_pool_preempts_and_still_answers_like_generate(tiny_model_dir, tiny_model,
                                                                                  tmp_path):
     model, tokenizer = tiny_model

@@ -61,7 +61,7 @@ def shard_processes(server) -> list[psutil.Process]:
     return psutil.Process(server.process.pid).children(recursive=True)
 
 
-@pytest.mark.parametrize("backend", ["transformers", "paged"])
+@pytest.mark.parametrize("backend", [pytest.param("transformers", marks=pytest.mark.slow), "paged"])
 def test_two_shards_give_the_greedy_tokens_of_one_through_both_backends(backend, tiny_model_dir, tmp_path):
     outputs = {}
     for shards in ("1", "2"):
@@ -77,6 +77,7 @@ def test_two_shards_give_the_greedy_tokens_of_one_through_both_backends(backend,
     assert "shard 0 of 2" in " ".join(s["detail"] for s in info["load_stages"])
 
 
+@pytest.mark.slow
 def test_two_shards_share_cached_prefixes_and_give_the_tokens_of_one_shard_without_a_cache(tiny_model_dir, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -105,6 +106,7 @@ def test_two_shards_share_cached_prefixes_and_give_the_tokens_of_one_shard_witho
     assert all(cached > 0 for _, cached in runs["2"][len(prompts):])
 
 
+@pytest.mark.slow
 def test_each_rank_holds_about_half_of_the_sliced_weights(tiny_model_dir):
     import torch.multiprocessing as mp
 
@@ -142,6 +144,7 @@ def test_quantizers_are_refused_when_sharded(tiny_model_dir):
     assert result.returncode == 2 and "--quantize int8 cannot shard yet" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_shard_that_dies_ends_the_server_with_a_clear_line_and_no_orphans(tiny_model_dir, tmp_path):
     server = start_server([*shard_args(tiny_model_dir), "--num-shard", "2"], tmp_path)
     try:
@@ -163,6 +166,7 @@ def test_a_shard_that_dies_ends_the_server_with_a_clear_line_and_no_orphans(tiny
         server.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_shard(tiny_model_dir, tmp_path):
     server = start_server([*shard_args(tiny_model_dir), "--num-shard", "2"], tmp_path)
     shards = shard_processes(server)
@@ -198,6 +202,7 @@ def test_smollm2_over_two_shards_answers_as_one_shard_does_through_both_backends
     assert expected[0] == expected[1] == expected[2] and "Paris" in expected[0][0]
 
 
+@pytest.mark.slow
 def test_ranks_started_by_torchrun_find_each_other_through_its_environment(tiny_model_dir, tmp_path):
     import subprocess
     import sys
