@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -242,20 +243,27 @@ def request_left_open(gateway: str, model: str) -> socket.socket:
     return held
 
 
+def answer_once(gateway: str, model: str, until: Callable[[int], bool], seconds: float = 10) -> httpx.Response:
+    """POST a short request through the gateway to ``model`` until its status is ``until``'s, or time is up:
+    the gateway counts opened and closed requests as it gets to them; the last answer."""
+    deadline = time.monotonic() + seconds
+    while True:
+        answer = httpx.post(gateway + "/generate", headers={"x-model": model}, json=GREEDY, timeout=60)
+        if until(answer.status_code) or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.2)
+
+
 def test_a_model_at_its_connection_limit_answers_tgis_json_429_while_the_other_serves(gateway):
     with contextlib.ExitStack() as in_flight:
         for _ in range(GATEWAY_MAX_CONNECTIONS):
             in_flight.enter_context(request_left_open(gateway, "first"))
-        time.sleep(0.5)  # nginx has read each one's headers and counted it
-        over = httpx.post(gateway + "/generate", headers={"x-model": "first"}, json=GREEDY, timeout=60)
+        over = answer_once(gateway, "first", until=lambda status: status == 429)
         other = httpx.post(gateway + "/generate", headers={"x-model": "second"}, json=GREEDY, timeout=60)
     assert over.status_code == 429 and over.headers["content-type"] == "application/json"
     assert over.json()["error_type"] == "overloaded" and set(over.json()) == {"error", "error_type"}
     assert other.status_code == 200
-    deadline = time.monotonic() + 10  # the closed requests give their places back
-    while (after := httpx.post(gateway + "/generate", headers={"x-model": "first"}, json=GREEDY,
-                               timeout=60)).status_code == 429 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    after = answer_once(gateway, "first", until=lambda status: status != 429)  # the closed ones gave places back
     assert after.status_code == 200
 
 
