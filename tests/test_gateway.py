@@ -243,9 +243,10 @@ def request_left_open(gateway: str, model: str) -> socket.socket:
     return held
 
 
-def answer_once(gateway: str, model: str, until: Callable[[int], bool], seconds: float = 10) -> httpx.Response:
-    """POST a short request through the gateway to ``model`` until its status is ``until``'s, or time is up:
-    the gateway counts opened and closed requests as it gets to them; the last answer."""
+def answer_when(gateway: str, model: str, until: Callable[[int], bool], seconds: float = 10) -> httpx.Response:
+    """The first answer to a short request through the gateway to ``model`` whose status ``until`` accepts,
+    asking again until then or until time is up (then the last answer): the gateway counts opened and closed
+    requests as it gets to them."""
     deadline = time.monotonic() + seconds
     while True:
         answer = httpx.post(gateway + "/generate", headers={"x-model": model}, json=GREEDY, timeout=60)
@@ -258,12 +259,12 @@ def test_a_model_at_its_connection_limit_answers_tgis_json_429_while_the_other_s
     with contextlib.ExitStack() as in_flight:
         for _ in range(GATEWAY_MAX_CONNECTIONS):
             in_flight.enter_context(request_left_open(gateway, "first"))
-        over = answer_once(gateway, "first", until=lambda status: status == 429)
+        over = answer_when(gateway, "first", until=lambda status: status == 429)
         other = httpx.post(gateway + "/generate", headers={"x-model": "second"}, json=GREEDY, timeout=60)
     assert over.status_code == 429 and over.headers["content-type"] == "application/json"
     assert over.json()["error_type"] == "overloaded" and set(over.json()) == {"error", "error_type"}
     assert other.status_code == 200
-    after = answer_once(gateway, "first", until=lambda status: status != 429)  # the closed ones gave places back
+    after = answer_when(gateway, "first", until=lambda status: status != 429)  # the closed ones gave places back
     assert after.status_code == 200
 
 
