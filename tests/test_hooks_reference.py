@@ -1,4 +1,4 @@
-"""hooks.md's hook reference is generated from core/hookspecs.py, and the docstrings say enough."""
+"""hooks.md's hook reference is generated from core/tokenmill/hookspecs.py, and the docstrings say enough."""
 
 from __future__ import annotations
 

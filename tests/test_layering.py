@@ -1,14 +1,18 @@
-"""The architecture's rules, checked on the static import graph of core/ and plugins/.
+"""The architecture's rules, checked on the static import graph of core/, plugins/ and bench/.
 
-Every ``.py`` under core/ (package ``tokenmill``) and plugins/ (package ``tokenmill_plugins``, less
-plugins/packages/, which holds separately installed distributions) is parsed with ``ast``; nothing is
-imported. An *arrow* is one runtime import of ``tokenmill...``, ``tokenmill_plugins...`` or ``falcon...``:
+core/ and plugins/ are source roots: each folder under them is the package it holds
+(core/tokenmill/engine/step.py is ``tokenmill.engine.step``), so a module's name is its path, read with no
+mapping; plugins/packages/ holds separately installed distributions and is left out. The repository root is
+bench/'s source root. Every ``.py`` is parsed with ``ast``; nothing is imported. An *arrow* is one runtime
+import of ``tokenmill...``, ``tokenmill_plugins...``, ``bench...`` or ``falcon...``:
 
 * imports inside functions count (a lazy import is still a dependency);
 * imports under ``if TYPE_CHECKING:`` do not (they never run), though its ``else:`` branch does;
 * relative imports are resolved against the importing module;
-* ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``;
-* an old module path listed in ``tokenmill.MOVED_MODULES`` points at the module it moved to.
+* ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``.
+
+No arrows go round in a circle. The modules at the old import paths that hooks 1.0 promised plugin authors
+(``tokenmill.admission`` and the rest of ``OLD_PATHS``) only re-export; nothing in the tree imports them.
 
 Layers, top to bottom (a module may import its own layer or lower ones, never a higher one)::
 
@@ -33,11 +37,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ROOT / "core"
-PLUGINS = ROOT / "plugins"
-SKIPPED = (PLUGINS / "packages",)
-ROOT_PACKAGES = {CORE: "tokenmill", PLUGINS: "tokenmill_plugins"}
-TRACKED_ROOTS = ("tokenmill", "tokenmill_plugins", "falcon")
+SOURCE_ROOTS = (ROOT / "core", ROOT / "plugins", ROOT)
+PACKAGES = ("tokenmill", "tokenmill_plugins", "bench")  # the packages each source root's folders hold
+CORE = ROOT / "core" / "tokenmill"
+TRACKED_ROOTS = (*PACKAGES, "falcon")
+OLD_PATHS = ("tokenmill.admission", "tokenmill.kv_memory", "tokenmill.lora", "tokenmill.plugins", "tokenmill.prefix",
+             "tokenmill.quant_linears", "tokenmill.sequence", "tokenmill.server")
 
 ENGINE_THREAD = ("tokenmill.engine", "tokenmill.sampling", "tokenmill.model", "tokenmill.kernels",
                  "tokenmill.interfaces")
@@ -56,7 +61,7 @@ FOUNDATIONS = ("tokenmill", *CONFIG_MODULES, "tokenmill.hookspecs", "tokenmill.p
 INTERFACES_MAY_IMPORT = ("tokenmill", "tokenmill.config")
 
 MAX_CORE_MODULE_LINES = 400
-ENGINE_LOOP_MODULES = ("core/engine/engine.py", "core/engine/batching.py", "core/engine/output.py")
+ENGINE_LOOP_MODULES = tuple(f"core/tokenmill/engine/{name}.py" for name in ("engine", "batching", "output"))
 MAX_ENGINE_LOOP_LINES = 299  # "under 300"
 MAX_CORE_TOP_LEVEL_MODULES = 8
 
@@ -81,40 +86,28 @@ class Arrow:
         return f"{self.source} -> {self.target}  ({self.where})"
 
 
-def module_name(path: Path, root: Path, package: str) -> str:
-    """core/x/y.py -> tokenmill.x.y; core/x/__init__.py -> tokenmill.x; plugins/a/b.py -> tokenmill_plugins.a.b."""
+def module_name(path: Path, root: Path) -> str:
+    """The module a file is, from its path under its source root: tokenmill/x/y.py -> tokenmill.x.y and
+    tokenmill/x/__init__.py -> tokenmill.x."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join([package, *parts])
+    return ".".join(parts)
 
 
-def source_module(path: Path, root: Path, package: str) -> SourceModule:
-    return SourceModule(module_name(path, root, package), path, path.name == "__init__.py")
+def source_module(path: Path, root: Path) -> SourceModule:
+    return SourceModule(module_name(path, root), path, path.name == "__init__.py")
 
 
 def source_modules() -> dict[str, SourceModule]:
     modules: dict[str, SourceModule] = {}
-    for root, package in ROOT_PACKAGES.items():
-        for path in sorted(root.rglob("*.py")):
-            if not any(path.is_relative_to(skipped) for skipped in SKIPPED):
-                module = source_module(path, root, package)
-                modules[module.name] = module
+    for root in SOURCE_ROOTS:
+        for package in PACKAGES:
+            if (root / package / "__init__.py").is_file():
+                for path in sorted((root / package).rglob("*.py")):
+                    module = source_module(path, root)
+                    modules[module.name] = module
     return modules
-
-
-def moved_modules() -> dict[str, str]:
-    """``tokenmill.MOVED_MODULES`` (old import path -> new one), read from the source, not imported."""
-    for node in ast.parse((CORE / "__init__.py").read_text()).body:
-        if isinstance(node, ast.Assign):
-            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            names = [node.target.id]
-        else:
-            continue
-        if "MOVED_MODULES" in names:
-            return dict(ast.literal_eval(node.value))
-    return {}
 
 
 def is_type_checking(test: ast.expr) -> bool:
@@ -148,16 +141,15 @@ def from_base(module: SourceModule, node: ast.ImportFrom) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
-def import_targets(module: SourceModule, node: ast.Import | ast.ImportFrom, known: Iterable[str],
-                   moved: dict[str, str]) -> Iterator[str]:
-    """The modules one import statement points at, old (moved) paths replaced by their new homes."""
+def import_targets(module: SourceModule, node: ast.Import | ast.ImportFrom, known: Iterable[str]) -> Iterator[str]:
+    """The modules one import statement points at."""
     if isinstance(node, ast.Import):
-        yield from (moved.get(alias.name, alias.name) for alias in node.names)
+        yield from (alias.name for alias in node.names)
         return
     base = from_base(module, node)
     for alias in node.names:
-        submodule = moved.get(f"{base}.{alias.name}", f"{base}.{alias.name}")
-        yield submodule if submodule in known else moved.get(base, base)
+        submodule = f"{base}.{alias.name}"
+        yield submodule if submodule in known else base
 
 
 def is_tracked(target: str) -> bool:
@@ -169,19 +161,59 @@ def location(path: Path, line: int) -> str:
     return f"{shown}:{line}"
 
 
-def module_arrows(module: SourceModule, known: Iterable[str], moved: dict[str, str]) -> list[Arrow]:
+def module_arrows(module: SourceModule, known: Iterable[str]) -> list[Arrow]:
     tree = ast.parse(module.path.read_text(), filename=str(module.path))
     return [
         Arrow(module.name, target, location(module.path, node.lineno))
         for node in runtime_imports(tree)
-        for target in import_targets(module, node, known, moved)
+        for target in import_targets(module, node, known)
         if is_tracked(target)
     ]
 
 
-def build_graph(modules: dict[str, SourceModule], moved: dict[str, str]) -> list[Arrow]:
+def build_graph(modules: dict[str, SourceModule]) -> list[Arrow]:
     known = set(modules)
-    return sorted({arrow for module in modules.values() for arrow in module_arrows(module, known, moved)})
+    return sorted({arrow for module in modules.values() for arrow in module_arrows(module, known)})
+
+
+def cycles(arrows: Iterable[Arrow]) -> list[list[str]]:
+    """The import circles: each strongly connected component of more than one module (or a module that imports
+    itself), found with Tarjan's algorithm."""
+    graph: dict[str, set[str]] = {}
+    for arrow in arrows:
+        graph.setdefault(arrow.source, set()).add(arrow.target)
+        graph.setdefault(arrow.target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +223,7 @@ def modules() -> dict[str, SourceModule]:
 
 @pytest.fixture(scope="module")
 def arrows(modules: dict[str, SourceModule]) -> list[Arrow]:
-    return build_graph(modules, moved_modules())
+    return build_graph(modules)
 
 
 # --- rule helpers -------------------------------------------------------------------------------
@@ -229,8 +261,9 @@ def line_count(path: Path) -> int:
 
 
 def test_the_walker_counts_lazy_imports_resolves_relative_ones_and_skips_type_checking_blocks(tmp_path: Path) -> None:
-    package = tmp_path / "engine"
-    package.mkdir()
+    package = tmp_path / "tokenmill" / "engine"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     (package / "sequence.py").write_text("")
     (package / "engine.py").write_text(
@@ -245,22 +278,52 @@ def test_the_walker_counts_lazy_imports_resolves_relative_ones_and_skips_type_ch
         "def later():\n"
         "    from tokenmill.model import loading\n"
     )
-    (tmp_path / "config.py").write_text("")
-    found = {module.name: module
-             for module in (source_module(p, tmp_path, "tokenmill") for p in tmp_path.rglob("*.py"))}
+    (package.parent / "config.py").write_text("")
+    found = {module.name: module for module in (source_module(p, tmp_path) for p in tmp_path.rglob("*.py"))}
     found["tokenmill.model.loading"] = SourceModule("tokenmill.model.loading", tmp_path / "absent.py", False)
-    moved = {"tokenmill.loading": "tokenmill.model.loading"}
-    targets = sorted(arrow.target for arrow in module_arrows(found["tokenmill.engine.engine"], set(found), moved))
+    targets = sorted(arrow.target for arrow in module_arrows(found["tokenmill.engine.engine"], set(found)))
     assert targets == [
         "falcon.asgi", "tokenmill", "tokenmill.config", "tokenmill.engine.sequence",
-        "tokenmill.model.loading", "tokenmill.model.loading",
+        "tokenmill.loading", "tokenmill.model.loading",
     ]
 
 
-def test_the_import_graph_covers_core_and_plugins(modules: dict[str, SourceModule], arrows: list[Arrow]) -> None:
-    assert {"tokenmill", "tokenmill.engine", "tokenmill.http", "tokenmill_plugins"} <= set(modules)
-    assert not any(within(name, ["tokenmill_plugins.packages"]) for name in modules)
+def test_a_file_is_the_module_its_path_under_the_source_root_names() -> None:
+    assert module_name(ROOT / "core" / "tokenmill" / "engine" / "step.py", ROOT / "core") == "tokenmill.engine.step"
+    assert module_name(ROOT / "plugins" / "tokenmill_plugins" / "kv" / "__init__.py", ROOT / "plugins") == (
+        "tokenmill_plugins.kv")
+
+
+def test_the_circle_finder_finds_circles_through_any_number_of_modules() -> None:
+    def arrow(source: str, target: str) -> Arrow:
+        return Arrow(source, target, "here:1")
+
+    assert cycles([arrow("a", "b"), arrow("b", "c")]) == []
+    assert cycles([arrow("a", "b"), arrow("b", "c"), arrow("c", "a"), arrow("c", "d")]) == [["a", "b", "c"]]
+    assert cycles([arrow("a", "a")]) == [["a"]]
+
+
+def test_the_import_graph_covers_core_plugins_and_bench(modules: dict[str, SourceModule], arrows: list[Arrow]) -> None:
+    assert {"tokenmill", "tokenmill.engine", "tokenmill.http", "tokenmill_plugins", "bench"} <= set(modules)
+    assert not any(name.startswith(("tokenmill_plugins.packages", "tokenmill_example", "tokenmill_vllm"))
+                   for name in modules)
+    assert modules["tokenmill.engine.step"].path == CORE / "engine" / "step.py"
     assert arrows, "no imports found at all: the walker is broken"
+
+
+def test_no_imports_go_round_in_a_circle(arrows: list[Arrow]) -> None:
+    """No module reaches itself through imports, counting those inside functions, in core/, plugins/ or bench/."""
+    found = cycles(arrows)
+    assert not found, "import circles:\n" + "\n".join(
+        "  " + " <-> ".join(circle) + "\n" + "\n".join(
+            f"    {arrow}" for arrow in arrows if arrow.source in circle and arrow.target in circle)
+        for circle in found)
+
+
+def test_nothing_in_the_tree_imports_an_old_path(arrows: list[Arrow]) -> None:
+    """The hooks 1.0 paths are kept for third-party plugins only; tokenmill's own code imports the new ones."""
+    bad = offending(arrows, lambda a: within(a.target, OLD_PATHS))
+    assert not bad, report("imports of deprecated old paths", bad)
 
 
 # --- rule 1: the engine thread never reaches the HTTP side ----------------------------------------
@@ -278,7 +341,7 @@ def test_engine_thread_packages_never_import_the_http_side(arrows: list[Arrow]) 
 def test_every_core_module_has_a_place_in_the_layering(modules: dict[str, SourceModule]) -> None:
     """A new core module joins a layer or the foundations; otherwise no layering rule would see it."""
     unplaced = [name for name in modules if name.startswith("tokenmill.") and layer(name) is None
-                and name not in FOUNDATIONS]
+                and name not in FOUNDATIONS and name not in OLD_PATHS]
     assert not unplaced, f"core modules outside every layer and the foundations: {unplaced}"
 
 
@@ -349,7 +412,7 @@ def test_engine_loop_module_exists_and_is_under_300_lines(relative: str) -> None
 
 
 def test_core_top_level_holds_at_most_8_modules() -> None:
-    top = sorted(path.name for path in CORE.glob("*.py"))
+    top = sorted(path.name for path in CORE.glob("*.py") if f"tokenmill.{path.stem}" not in OLD_PATHS)
     assert len(top) <= MAX_CORE_TOP_LEVEL_MODULES, (
-        f"core/ holds {len(top)} top-level modules (at most {MAX_CORE_TOP_LEVEL_MODULES}): {top}"
+        f"core/tokenmill/ holds {len(top)} top-level modules (at most {MAX_CORE_TOP_LEVEL_MODULES}): {top}"
     )

@@ -1,4 +1,4 @@
-"""The typed request and response shapes (core/http/schemas) and the OpenAPI document built from them.
+"""The typed request and response shapes (core/tokenmill/http/schemas) and the OpenAPI document built from them.
 
 Three kinds of check: the models against TGI's own spec (its examples are accepted, what its serde
 refuses is refused); the served document against OpenAPI 3.1 and against the app's router (every

@@ -1,10 +1,7 @@
 """LoRA adapters as files and in memory: reading a PEFT checkpoint into an :class:`Adapter`
 (refusing one that does not fit the base model), and the :class:`AdapterCache` that knows every
 adapter by name and keeps at most ``--lora-cache-limit`` of them in memory, least recently used
-first out; a request pins its adapter while it runs, and a pinned adapter is never evicted.
-
-The old import path ``tokenmill.lora`` gives this module, which also re-exports the layer side
-(:mod:`tokenmill.model.lora`: ``install``, ``adapter_rows``, ``Adapter``, ...)."""
+first out; a request pins its adapter while it runs, and a pinned adapter is never evicted."""
 
 from __future__ import annotations
 
@@ -20,19 +17,15 @@ import torch
 
 from tokenmill.model import hub
 from tokenmill.model.loading import ModelLoadError
-from tokenmill.model.lora import (  # the layer side too: the old path ``tokenmill.lora`` is this module
+from tokenmill.model.lora import (
     PEFT_PREFIX,
     TARGETABLE,
     Adapter,
     AdapterBusy,
     AdapterError,
     LoraBatch,
-    LoraLinear,
     LoraPair,
-    StackedAdapters,
-    adapter_rows,
     install,
-    lora_batch,
 )
 
 if TYPE_CHECKING:
@@ -235,8 +228,3 @@ def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> Adapte
         return cache
 
     return stages.run("loading adapters", load, detail=", ".join(name for name, _ in named) or "none yet")
-
-
-__all__ = ["PEFT_PREFIX", "TARGETABLE", "Adapter", "AdapterBusy", "AdapterCache", "AdapterError", "CacheStats",
-           "LoraBatch", "LoraLinear", "LoraPair", "StackedAdapters", "adapter_rows", "install", "load_adapters",
-           "locate", "lora_batch", "peft_unavailable_reason", "read_peft_adapter"]
