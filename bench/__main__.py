@@ -1,5 +1,5 @@
-"""`python -m bench`: see bench/harness.py."""
+"""``python -m bench``: the table of scenarios is ``bench/cli.py``; ``bench/README.md`` explains each."""
 
-from bench.harness import main
+from bench.cli import main
 
 main()

@@ -42,11 +42,23 @@ import httpx
 import psutil
 
 from bench import peers
-from bench.harness import Progress, default_checkpoint, load_prompts, machine, numbered, render, versions
+from bench.common import (
+    Progress,
+    default_checkpoint,
+    load_prompts,
+    machine,
+    numbered,
+    refusal,
+    render,
+    server_info,
+    versions,
+)
 from bench.loadgen import Prompt, RequestResult, one_request, run_load
-from bench.report import _fmt, _ratio, _table, replace_section
-from bench.speculate import refusal, server_info
+from bench.report import fmt, ratio, replace_section, table
 
+ABOUT = ("first and warm starts of tokenmill and vLLM CPU (time to ready, the first request's TTFT, RSS at "
+         "rest and under c=64), and tokenmill in a memory cgroup")
+"""What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
 LOGS = BENCH_DIR / "out" / "logs"
 MIB = 2**20
@@ -121,7 +133,7 @@ def goals(systems: dict[str, Any]) -> list[dict[str, Any]]:
              ("RSS at rest (warm start, idle)", dig(warm, "memory_rest", "rss_mib"), "< 1536 MiB", "MiB",
               lambda v: v < 1536),
              (f"peak RSS under c={CONCURRENCY} (warm start)", dig(warm, "load", "peak_rss_mib") if theirs else None,
-              f"below vLLM CPU's ({_fmt(theirs, 0)} MiB)", "MiB", lambda v: v < theirs)]
+              f"below vLLM CPU's ({fmt(theirs, 0)} MiB)", "MiB", lambda v: v < theirs)]
     return [{"goal": name, "value": value, "unit": unit, "target": target, "met": None if value is None else met(value)}
             for name, value, target, unit, met in found]
 
@@ -319,14 +331,14 @@ def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers
         entry["first_request"] = first_request(server, first, model)
         entry["memory_ready"] = tree_memory(server)
         progress.say(f"  ready after {server.ready_s:.2f} s; first request's TTFT "
-                     f"{_fmt(entry['first_request']['ttft_s'], 2)} s after ready")
+                     f"{fmt(entry['first_request']['ttft_s'], 2)} s after ready")
         if system.name == "tokenmill":
             entry.update(wait_compiled(server))
-            progress.say(f"  forward {entry['forward']} after {_fmt(entry['compiled_s'], 1)} s")
+            progress.say(f"  forward {entry['forward']} after {fmt(entry['compiled_s'], 1)} s")
         time.sleep(IDLE_S)
         entry["memory_rest"] = tree_memory(server)
-        progress.say(f"  at rest: RSS {_fmt(entry['memory_rest']['rss_mib'], 0)} MiB, "
-                     f"PSS {_fmt(entry['memory_rest']['pss_mib'], 0)} MiB")
+        progress.say(f"  at rest: RSS {fmt(entry['memory_rest']['rss_mib'], 0)} MiB, "
+                     f"PSS {fmt(entry['memory_rest']['pss_mib'], 0)} MiB")
         if requests:
             entry["load"] = load(server, requests, size, model, progress, cgroup)
     text = log.read_text(errors="replace") if log.exists() else ""
@@ -378,8 +390,8 @@ def render_section(run: dict[str, Any]) -> str:
               "RSS sampled every 0.25 s."), "",
              f"Machine: {run['machine']}. Versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}.", "",
              "### Goals", ""]
-    lines += _table(["goal", "target", "this run", "met"], [
-        [g["goal"], g["target"], f"{_fmt(g['value'], 2 if g['unit'] == 's' else 0)} {g['unit']}",
+    lines += table(["goal", "target", "this run", "met"], [
+        [g["goal"], g["target"], f"{fmt(g['value'], 2 if g['unit'] == 's' else 0)} {g['unit']}",
          {True: "met", False: "**not met**", None: "not measured"}[g["met"]]] for g in run["goals"]])
     lines += ["", "### Each start", ""]
     rows, skipped = [], []
@@ -392,15 +404,15 @@ def render_section(run: dict[str, Any]) -> str:
                 skipped.append(f"`{name}` {KINDS[kind]} ({e['skipped']})")
                 continue
             first, level = e.get("first_request") or {}, e.get("load") or {}
-            rows.append([name, KINDS[kind], _fmt(e["ready_s"], 2), _fmt(e.get("compiled_s"), 1),
-                         _fmt(first.get("ttft_s"), 2), _fmt(first.get("tokens_per_s")),
-                         _fmt(dig(e, "memory_ready", "rss_mib"), 0), _fmt(dig(e, "memory_rest", "rss_mib"), 0),
-                         _fmt(dig(e, "memory_rest", "pss_mib"), 0), _fmt(level.get("peak_rss_mib"), 0),
-                         _fmt(level.get("tokens_per_s")),
+            rows.append([name, KINDS[kind], fmt(e["ready_s"], 2), fmt(e.get("compiled_s"), 1),
+                         fmt(first.get("ttft_s"), 2), fmt(first.get("tokens_per_s")),
+                         fmt(dig(e, "memory_ready", "rss_mib"), 0), fmt(dig(e, "memory_rest", "rss_mib"), 0),
+                         fmt(dig(e, "memory_rest", "pss_mib"), 0), fmt(level.get("peak_rss_mib"), 0),
+                         fmt(level.get("tokens_per_s")),
                          f"{level['completed']}/{level['failed']}/{level['unfinished']}" if level else "–"])
-    lines += _table(["system", "start", "ready s", "compiled s", "first TTFT s", "first tok/s", "RSS ready MiB",
-                     "RSS rest MiB", "PSS rest MiB", f"peak RSS c={CONCURRENCY} MiB", f"c={CONCURRENCY} tok/s",
-                     "ok/failed/cut"], rows)
+    lines += table(["system", "start", "ready s", "compiled s", "first TTFT s", "first tok/s", "RSS ready MiB",
+                    "RSS rest MiB", "PSS rest MiB", f"peak RSS c={CONCURRENCY} MiB", f"c={CONCURRENCY} tok/s",
+                    "ok/failed/cut"], rows)
     if skipped:
         lines += ["", "Not in this run: " + "; ".join(skipped) + "."]
     lines += ratio_lines(systems) + stage_lines(systems.get("tokenmill", {})) + container_lines(systems, run)
@@ -417,12 +429,12 @@ def ratio_lines(systems: dict[str, Any]) -> list[str]:
             continue
         pick = [("ready_s",), ("first_request", "ttft_s"), ("memory_rest", "rss_mib"), ("memory_rest", "pss_mib"),
                 ("load", "peak_rss_mib"), ("load", "tokens_per_s")]
-        rows.append([KINDS[kind], *[_ratio(dig(a, *path), dig(b, *path)) for path in pick]])
+        rows.append([KINDS[kind], *[ratio(dig(a, *path), dig(b, *path)) for path in pick]])
     if not rows:
         return []
     return ["", "### tokenmill divided by vLLM CPU (below 1×: tokenmill lower; for tok/s above 1×: faster)", "",
-            *_table(["start", "ready", "first TTFT", "RSS rest", "PSS rest", f"peak RSS c={CONCURRENCY}",
-                     f"c={CONCURRENCY} tok/s"], rows)]
+            *table(["start", "ready", "first TTFT", "RSS rest", "PSS rest", f"peak RSS c={CONCURRENCY}",
+                    f"c={CONCURRENCY} tok/s"], rows)]
 
 
 def stage_lines(starts: dict[str, Any]) -> list[str]:
@@ -434,8 +446,8 @@ def stage_lines(starts: dict[str, Any]) -> list[str]:
     cell = lambda s: "–" if s is None else (
         f"{s['seconds']:.2f}" + ("" if s["share"] is None else f" ({100 * s['share']:.0f} %)"))
     return ["", "### tokenmill's load stages (`/info` `load_stages`): seconds and share of the time to ready", "",
-            *_table(["stage", *(f"{KINDS[k]} s" for k in timed)],
-                    [[name, *(cell(stages.get(name)) for stages in timed.values())] for name in names])]
+            *table(["stage", *(f"{KINDS[k]} s" for k in timed)],
+                   [[name, *(cell(stages.get(name)) for stages in timed.values())] for name in names])]
 
 
 def container_lines(systems: dict[str, Any], run: dict[str, Any]) -> list[str]:
@@ -453,7 +465,7 @@ def container_lines(systems: dict[str, Any], run: dict[str, Any]) -> list[str]:
             "- the server logged: " + (f"the container's memory limit binds: {binds['left_mib']} MiB of "
                                        f"{binds['limit_mib']} MiB left ({binds['source']})" if binds else
                                        "no `memory limit binds` line"),
-            (f"- the group's peak usage during c={CONCURRENCY}: {_fmt(group['peak_mib'], 0)} MiB "
+            (f"- the group's peak usage during c={CONCURRENCY}: {fmt(group['peak_mib'], 0)} MiB "
              f"({'under' if group['under_limit'] else '**not under**'} the limit); "
              f"{level.get('completed', 0)} ok, {level.get('failed', 0)} failed, healthy after: "
              f"{level.get('healthy_after')}"),

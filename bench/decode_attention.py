@@ -9,7 +9,7 @@ they come from memory, not cache. Peers in one run:
 - ``native``: the kernel the engine calls for decode rows on CPU;
 - ``sdpa``: the plain path (``--disable-custom-kernels``): gather each sequence's blocks, then SDPA;
 - ``--source FILE``: another version of the kernel's source (an older commit's, say), built apart:
-  ``git show REV:core/native/paged_decode.cpp > /tmp/old.cpp``.
+  ``git show REV:core/tokenmill/kernels/csrc/paged_decode.cpp > /tmp/old.cpp``.
 
     python -m bench.decode_attention [--seqs 1 32] [--source /tmp/old.cpp]
 """
@@ -109,7 +109,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs=2, default=[100, 1500], metavar=("LOW", "HIGH"),
                         help="context lengths drawn uniformly from [LOW, HIGH)")
     parser.add_argument("--layout", nargs="+", choices=["in-order", "shuffled"], default=["in-order", "shuffled"])
-    parser.add_argument("--source", help="another version of core/native/paged_decode.cpp to time beside")
+    parser.add_argument("--source",
+                        help="another version of core/tokenmill/kernels/csrc/paged_decode.cpp to time beside")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="of the KV pool and the queries")

@@ -28,6 +28,8 @@ from bench.agreement import first_difference, greedy_tokens
 from bench.engine import prompt_set
 from bench.quant import agreement, perplexity, teacher_forced, text_set
 
+ABOUT = "bfloat16 against float32 on SmolLM2: perplexity, top-1 and greedy agreement"
+"""What ``python -m bench --help`` says the scenario runs."""
 REFERENCE = "float32"
 GOAL_PERCENT = 1.0
 

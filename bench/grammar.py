@@ -21,6 +21,8 @@ from typing import Any
 
 from bench.engine import start_ignoring_eos
 
+ABOUT = "the cost per token of a JSON-schema constraint, on the engine"
+"""What ``python -m bench --help`` says the scenario runs."""
 RECORDS = {"type": "array", "items": {
     "type": "object",
     "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},

@@ -18,7 +18,11 @@ from typing import Any
 
 import torch
 
+from bench.engine import start_ignoring_eos
 from bench.loadgen import percentile
+
+ABOUT = "prefill and decode latency per batch size, on the engine"
+"""What ``python -m bench --help`` says the scenario runs."""
 
 
 def timed(step: Any) -> float:
@@ -56,7 +60,6 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.engine import start_ignoring_eos
     from tokenmill.config import Config
 
     parser = argparse.ArgumentParser(prog="python -m bench latency", description=__doc__.splitlines()[0])

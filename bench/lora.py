@@ -21,6 +21,8 @@ import torch
 from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 from bench.steps import run
 
+ABOUT = "a batch mixing 4 LoRA adapters against the base model, on the engine"
+"""What ``python -m bench --help`` says the scenario runs."""
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -25,9 +25,13 @@ from typing import Any
 import httpx
 
 from bench import peers
+from bench.common import default_checkpoint
 from bench.engine import prompt_set
 from bench.loadgen import Prompt, RequestResult, one_request, percentile
+from bench.report import replace_section
 
+ABOUT = "long and short requests under the fifo and priority schedulers"
+"""What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
 SHORT_QUESTIONS = ("What is the capital of France?", "Name a primary colour.", "How many legs has a spider?",
                    "What is two plus three?", "Which planet is closest to the Sun?", "Say hello in Spanish.")
@@ -101,15 +105,13 @@ def run(duration_s: float, long_concurrency: int, short_every_s: float, max_batc
         schedulers: list[str], server_args: list[str]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from bench.harness import default_checkpoint
-
     checkpoint = default_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.hf_dir)
     longs = long_prompts(tokenizer, 400)
     shorts = short_prompts(int(duration_s / short_every_s) + 1)
     results: dict[str, Any] = {}
     for scheduler in schedulers:
-        system = peers.System(f"tokenmill-{scheduler}", "tgi", "fp32", peers._tokenmill(  # noqa: SLF001
+        system = peers.System(f"tokenmill-{scheduler}", "tgi", "fp32", peers.tokenmill_command(
             "paged", "--dtype", "float32", "--scheduler", scheduler, "--max-batch-size", str(max_batch_size),
             *server_args))
         log = BENCH_DIR / "out" / f"mixed-{scheduler}.log"
@@ -156,8 +158,6 @@ def render(run_data: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.report import replace_section
-
     parser = argparse.ArgumentParser(prog="python -m bench mixed", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of flood and trickle per scheduler")
     parser.add_argument("--long-concurrency", type=int, default=12)

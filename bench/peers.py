@@ -65,7 +65,9 @@ def venv_python(peers_dir: Path, venv: str) -> Path:
     return peers_dir / venv / "bin" / "python"
 
 
-def _tokenmill(backend: str, *extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+def tokenmill_command(backend: str, *extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+    """A :attr:`System.command`: ``tokenmill launch`` (uvicorn, on loopback) with ``--backend backend`` and
+    ``extra`` flags."""
     def command(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
         return [sys.executable, "-m", "tokenmill", "launch", "--server", "uvicorn", "--hostname", "127.0.0.1",
                 "--port", str(port), "--model-id", str(checkpoint.hf_dir), "--backend", backend, *extra]
@@ -89,12 +91,15 @@ def _transformers_serve(continuous_batching: bool) -> Callable[[Checkpoint, int,
     return command
 
 
-def _vllm(*extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+def vllm_command(*extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
+    """A :attr:`System.command`: vLLM's OpenAI server from its venv under ``peers_dir``, with ``extra`` flags."""
     def command(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
         return [str(venv_python(peers_dir, "vllm")), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(checkpoint.hf_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                 "--port", str(port), "--max-model-len", "4096", *extra]
     return command
+
+
 
 
 def default_format() -> str:
@@ -119,10 +124,10 @@ def _llama_cpp(checkpoint: Checkpoint, port: int, peers_dir: Path) -> list[str]:
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
-    System("tokenmill-paged", "tgi", default_format(), _tokenmill("paged"),
+    System("tokenmill-paged", "tgi", default_format(), tokenmill_command("paged"),
            note="its default dtype (auto); its quality against fp32: `python -m bench dtype`"),
-    System("tokenmill-paged-fp32", "tgi", "fp32", _tokenmill("paged", "--dtype", "float32")),
-    System("tokenmill-transformers", "tgi", default_format(), _tokenmill("transformers"),
+    System("tokenmill-paged-fp32", "tgi", "fp32", tokenmill_command("paged", "--dtype", "float32")),
+    System("tokenmill-transformers", "tgi", default_format(), tokenmill_command("transformers"),
            note="its default dtype (auto)"),
     System("naive-transformers", "chat", "fp32", _naive,
            note="one model.generate() per request behind a lock"),
@@ -130,9 +135,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            model_is_path=True),
     System("transformers-serve-cb", "chat", "fp32", _transformers_serve(True), venv="transformers-serve",
            model_is_path=True,           note=f"--continuous-batching, {KV_CACHE_GIB} GiB of KV blocks"),
-    System("vllm-cpu", "chat", "bf16", _vllm(), venv="vllm",
+    System("vllm-cpu", "chat", "bf16", vllm_command(), venv="vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, its default dtype (auto)"),
-    System("vllm-cpu-fp32", "chat", "fp32", _vllm("--dtype", "float32"), venv="vllm",
+    System("vllm-cpu-fp32", "chat", "fp32", vllm_command("--dtype", "float32"), venv="vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}, note="vllm-cpu 0.32.0, --dtype float32"),
     System("tokenmill-vllm", "tgi", "fp32", _tokenmill_vllm, venv="tokenmill-vllm",
            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0"},

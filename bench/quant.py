@@ -25,6 +25,8 @@ import torch
 from bench.engine import chat_ids, prompt_set, start_ignoring_eos
 from bench.steps import run
 
+ABOUT = "each quantizer's memory, speed and quality on SmolLM2, on the engine"
+"""What ``python -m bench --help`` says the scenario runs."""
 METHODS = ("int8", "int4", "gptq", "awq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
 GROUP_SIZE = 64
 

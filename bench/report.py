@@ -1,6 +1,6 @@
 """Turning a harness run into ``bench/RESULTS.md`` sections and a PNG chart, and reading them back.
 
-A run is a JSON-able dict (see ``bench.harness.run_scenario``). Each scenario owns one
+A run is a JSON-able dict (see ``bench.compare.run_scenario``). Each scenario owns one
 section of RESULTS.md between ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``;
 writing a run replaces its own section and leaves the rest of the file alone.
 """
@@ -16,7 +16,8 @@ BASELINE = "tokenmill-paged"
 LIMIT_ROW = "limit: HF batched decode"
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A table cell: ``value`` to ``digits`` decimals, ``–`` for none (or NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return f"{value:.{digits}f}"
@@ -26,7 +27,8 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table (the form :func:`parse_tables` reads back)."""
     return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
 
 
@@ -78,12 +80,12 @@ def render_section(run: dict[str, Any]) -> str:
         if entry.get("skipped"):
             continue
         cells = [system, entry["numeric_format"], entry["api"]]
-        cells += [_fmt(tokens_per_s(run, system, c)) for c in levels]
-        cells.append(_fmt(entry.get("peak_rss_mib"), 0))
+        cells += [fmt(tokens_per_s(run, system, c)) for c in levels]
+        cells.append(fmt(entry.get("peak_rss_mib"), 0))
         rows.append(cells)
     if run.get("limit"):
-        rows.append([LIMIT_ROW, "fp32", "–", *[_fmt(limit_tokens_per_s(run, c)) for c in levels], "–"])
-    lines += _table(["system", "format", "API", *columns, "peak RSS MiB"], rows)
+        rows.append([LIMIT_ROW, "fp32", "–", *[fmt(limit_tokens_per_s(run, c)) for c in levels], "–"])
+    lines += table(["system", "format", "API", *columns, "peak RSS MiB"], rows)
     lines += bound_lines(run.get("limit"))
     skipped = [f"`{s}` ({e['skipped']})" for s, e in run["systems"].items() if e.get("skipped")]
     if skipped:
@@ -100,12 +102,12 @@ def render_section(run: dict[str, Any]) -> str:
             r = entry.get("levels", {}).get(str(c))
             if not r:
                 continue
-            rows.append([system, str(c), f"{r['completed']}/{r['failed']}/{r['unfinished']}", _fmt(r["tokens_per_s"]),
-                         _fmt(r["ttft_p50"], 2), _fmt(r["ttft_p95"], 2), _fmt(_ms(r["itl_p50"]), 0),
-                         _fmt(_ms(r["itl_p95"]), 0), _fmt(r["latency_p50"], 2), _fmt(r["latency_p95"], 2),
-                         _fmt(r["latency_p99"], 2)])
-    lines += _table(["system", "c", "ok/failed/cut", "tok/s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
-                     "latency p50", "latency p95", "latency p99"], rows)
+            rows.append([system, str(c), f"{r['completed']}/{r['failed']}/{r['unfinished']}", fmt(r["tokens_per_s"]),
+                         fmt(r["ttft_p50"], 2), fmt(r["ttft_p95"], 2), fmt(ms(r["itl_p50"]), 0),
+                         fmt(ms(r["itl_p95"]), 0), fmt(r["latency_p50"], 2), fmt(r["latency_p95"], 2),
+                         fmt(r["latency_p99"], 2)])
+    lines += table(["system", "c", "ok/failed/cut", "tok/s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
+                    "latency p50", "latency p95", "latency p99"], rows)
     failures = [f"`{s}` c={c}: {'; '.join(r['errors'])}" for s, e in run["systems"].items()
                 for c, r in e.get("levels", {}).items() if r.get("errors")]
     if failures:
@@ -126,7 +128,8 @@ def bound_lines(limit: dict[str, Any] | None) -> list[str]:
                  f"decode cannot pass **{limit['arithmetic_bound_tokens_per_s']:.0f} tokens/s** on this machine.")]
 
 
-def _ms(seconds: float | None) -> float | None:
+def ms(seconds: float | None) -> float | None:
+    """Seconds in milliseconds; None stays None."""
     return None if seconds is None else seconds * 1000
 
 
@@ -138,7 +141,7 @@ def ratio_lines(run: dict[str, Any], levels: list[int], columns: list[str]) -> l
     for system, entry in run["systems"].items():
         if system == BASELINE or entry.get("skipped"):
             continue
-        rows.append([system, *[_ratio(ours[c], tokens_per_s(run, system, c)) for c in levels]])
+        rows.append([system, *[ratio(ours[c], tokens_per_s(run, system, c)) for c in levels]])
     if run.get("limit"):
         rows.append([f"share of the {LIMIT_ROW}", *[_share(ours[c], limit_tokens_per_s(run, c)) for c in levels]])
         bound = run["limit"].get("arithmetic_bound_tokens_per_s")
@@ -149,10 +152,11 @@ def ratio_lines(run: dict[str, Any], levels: list[int], columns: list[str]) -> l
             rate = matmul_rate(run, BASELINE)
             rows.append([f"share of the {run['systems'][BASELINE]['numeric_format']} matmul bound, prompts counted",
                          *[_share(matmul_gflops(run, BASELINE, c), rate) for c in levels]])
-    return ["", f"### `{BASELINE}` tokens/s divided by each system's", "", *_table(["against", *columns], rows)]
+    return ["", f"### `{BASELINE}` tokens/s divided by each system's", "", *table(["against", *columns], rows)]
 
 
-def _ratio(ours: float | None, theirs: float | None) -> str:
+def ratio(ours: float | None, theirs: float | None) -> str:
+    """``ours / theirs`` as a table cell (``1.50×``), ``–`` where either is missing or zero."""
     if not ours or not theirs:
         return "–"
     return f"{ours / theirs:.2f}×"

@@ -21,8 +21,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.common import load_prompts
 from bench.loadgen import run_load
 from bench.peers import free_port
+
+ABOUT = "--num-shard 1 against 2, memory per rank and tokens/s"
+"""What ``python -m bench --help`` says the scenario runs."""
 
 
 def start(shards: int, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -51,7 +55,6 @@ def start(shards: int, log_path: Path) -> tuple[subprocess.Popen, str]:
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    from bench.harness import load_prompts
     from tokenmill.model.loading import converted_gguf, default_gguf
 
     parser = argparse.ArgumentParser(prog="python -m bench shards", description=__doc__.splitlines()[0])

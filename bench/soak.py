@@ -39,9 +39,14 @@ from typing import Any
 import httpx
 
 from bench import peers
+from bench.common import Progress, default_checkpoint, machine
 from bench.loadgen import percentile
+from bench.report import replace_section
 from bench.soak_requests import KINDS, ROUTES, Job, encode, make_job, prompt
 
+ABOUT = ("thousands of valid, invalid and rude requests on one server; its goals (no 5xx, every request "
+         "answered, RSS flat, KV back) set the exit status")
+"""What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
 RSS_GROWTH_LIMIT_MB = 50.0
 RETRIES = 30
@@ -288,9 +293,6 @@ def render(run: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.harness import Progress, default_checkpoint, machine
-    from bench.report import replace_section
-
     parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=24)
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = make_plan(args.requests, burst, random.Random(args.seed), args.kinds)
     split = next(i for i in range(len(plan) + 1) if sum(burst if k == "burst" else 1 for k in plan[:i])
                  >= args.requests // 10)
-    system = peers.System("tokenmill", "tgi", "fp32", peers._tokenmill(  # noqa: SLF001
+    system = peers.System("tokenmill", "tgi", "fp32", peers.tokenmill_command(
         args.backend, "--dtype", "float32", "--max-concurrent-requests", str(args.max_concurrent_requests),
         "--max-batch-total-tokens", str(args.kv_tokens), *shlex.split(args.server_args)))
     progress.say(f"start tokenmill (backend {args.backend}); {len(plan)} jobs, {args.requests} requests")

