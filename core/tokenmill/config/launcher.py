@@ -45,7 +45,8 @@ LAUNCHER_FLAGS = (
     LauncherFlag("disable_crash_reports", "tokenmill sends no crash reports", takes_value=False),
     LauncherFlag("enable_prefill_logprobs", "prompt logprobs (decoder_input_details, echo with logprobs) are "
                                             "always served", takes_value=False),
-    LauncherFlag("env", "", takes_value=False, environment=False, short="-e"),
+    LauncherFlag("env", "logs one warning line on the platform it runs on instead (python, torch, CUDA and GPUs, "
+                        "OS, CPUs) and serves", takes_value=False, environment=False, short="-e"),
 )
 """TGI's launcher flags (``launcher/src/main.rs``) that are not tokenmill's own."""
 
