@@ -152,7 +152,7 @@ ENV PYTHONUNBUFFERED=1 \
 USER 1000:1000
 # Build the native kernel now, as the user that runs the server, so that its build cache is
 # writable at start; prints the reason if it could not be built (the server then uses plain PyTorch).
-RUN python -c "from tokenmill import native_kernels as n; r = n.native_unavailable_reason(); print(r or 'native CPU kernels built')"
+RUN python -c "from tokenmill.kernels import native as n; r = n.native_unavailable_reason(); print(r or 'native CPU kernels built')"
 
 WORKDIR /data
 VOLUME /data

@@ -3,6 +3,7 @@ with each other (ports, probes, shutdown timing, the autoscaler's metric)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 import shutil
@@ -50,6 +51,27 @@ def load(name: str) -> dict:
 def container() -> dict:
     (only,) = load("deployment.yaml")["spec"]["template"]["spec"]["containers"]
     return only
+
+
+def python_programs_run_at_build() -> list[str]:
+    """The programs of the Dockerfile's ``RUN python -c "..."`` lines."""
+    return [words[index + 1] for stage in dockerfile_stages().values() for arguments in arguments_of(stage, "RUN")
+            for words in [shlex.split(arguments)] for index, word in enumerate(words[:-1])
+            if word == "-c" and index > 0 and words[index - 1].startswith("python")]
+
+
+def test_the_programs_the_image_runs_at_build_import_what_they_name():
+    """A module the build imports still exists at that path, with every attribute the program reads from it."""
+    programs = python_programs_run_at_build()
+    assert programs, "the image builds the native kernels with a python -c program"
+    for program in programs:
+        namespace: dict[str, object] = {}
+        tree = ast.parse(program)
+        imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        exec(compile(ast.Module(body=imports, type_ignores=[]), "Dockerfile", "exec"), namespace)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in namespace:
+                assert hasattr(namespace[node.value.id], node.attr), f"{program}: no {node.value.id}.{node.attr}"
 
 
 def test_dockerfile_passes_hadolint_without_a_finding():
