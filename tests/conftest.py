@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import site
 import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,15 @@ import torch
 from otlp_collector import Collector, running_collector
 
 from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
+
+
+def ci_script(path: Path) -> types.ModuleType:
+    """One of .ci/'s generator scripts, loaded as a module (it is a script, not part of a package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_llama_config():  # the shape design.md §8 found to give varied greedy tokens

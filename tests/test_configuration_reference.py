@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import ci_script
 
 from tokenmill.config import build_parser, env_name
 from tokenmill.config.launcher import LAUNCHER_FLAGS, SAGEMAKER_VARIABLES
@@ -20,17 +20,9 @@ SCRIPT = ROOT / ".ci" / "configuration_reference.py"
 PAGE = ROOT / "docs" / "configuration.md"
 
 
-def load_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("configuration_reference", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def script() -> types.ModuleType:
-    return load_script()
+    return ci_script(SCRIPT)
 
 
 def parser_flags() -> list[argparse.Action]:

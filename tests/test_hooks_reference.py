@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from conftest import ci_script
 
 from tokenmill import hookspecs
 
@@ -16,17 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "hooks_reference.py"
 
 
-def load_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("hooks_reference", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def script() -> types.ModuleType:
-    return load_script()
+    return ci_script(SCRIPT)
 
 
 def hook_names() -> list[str]:
