@@ -61,14 +61,19 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--model-id", default=None)
-    parser.add_argument("--generate", action="store_true",
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.agreement``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--dtype", default="bfloat16")
+    result.add_argument("--new-tokens", type=int, default=64)
+    result.add_argument("--model-id", default=None)
+    result.add_argument("--generate", action="store_true",
                         help="also compare each dtype with model.generate() of the default model")
-    args = parser.parse_args()
+    return result
+
+
+def main() -> None:
+    args = parser().parse_args()
     data = prompt_set()["prompts"]
     prompts = [p["messages"] for p in data]
     reference = greedy_tokens("float32", prompts, args.new_tokens, args.model_id)

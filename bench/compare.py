@@ -136,9 +136,11 @@ def run_scenario(scenario: Scenario, systems: list[str], checkpoint: peers.Check
     return run
 
 
-def parser(scenarios: dict[str, str]) -> argparse.ArgumentParser:
+def parser(scenarios: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """``python -m bench``'s own command line: a scenario name (``scenarios``: each name and what it runs, the
-    ones of other modules too, so that ``--help`` lists them all; quick when none) and this module's flags."""
+    ones of other modules too, so that ``--help`` lists them all; default: this module's; quick when none) and
+    this module's flags."""
+    scenarios = scenarios or {s.name: s.about for s in SCENARIOS.values()}
     found = argparse.ArgumentParser(prog="python -m bench",
                                     description="``python -m bench``: tokenmill and its peers, side by side, on the "
                                                 "same model and load.")
@@ -161,7 +163,7 @@ def parser(scenarios: dict[str, str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, scenarios: dict[str, str] | None = None) -> None:
     """Run a scenario of ``SCENARIOS`` named in ``argv`` (or write a saved run's section again).
     ``scenarios``: the names ``--help`` lists, with what each runs (default: this module's)."""
-    command_line = parser(scenarios or {s.name: s.about for s in SCENARIOS.values()})
+    command_line = parser(scenarios)
     args, rest = command_line.parse_known_args(argv)
     if args.from_json:
         return publish(json.loads(args.from_json.read_text()), args.out)

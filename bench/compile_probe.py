@@ -58,11 +58,16 @@ def step_ms(step: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], r
 
 
 @torch.inference_mode()
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.compile_probe``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    result.add_argument("--repeats", type=int, default=30)
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
+    args = parser().parse_args()
     from transformers import AutoModelForCausalLM
 
     from tokenmill.model.cpu_linears import pack_linears

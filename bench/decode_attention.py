@@ -103,18 +103,23 @@ def peers(step: PagedStep, query: torch.Tensor, source: str | None) -> dict[str,
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--context", type=int, nargs=2, default=[100, 1500], metavar=("LOW", "HIGH"),
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.decode_attention``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
+    result.add_argument("--context", type=int, nargs=2, default=[100, 1500], metavar=("LOW", "HIGH"),
                         help="context lengths drawn uniformly from [LOW, HIGH)")
-    parser.add_argument("--layout", nargs="+", choices=["in-order", "shuffled"], default=["in-order", "shuffled"])
-    parser.add_argument("--source",
+    result.add_argument("--layout", nargs="+", choices=["in-order", "shuffled"], default=["in-order", "shuffled"])
+    result.add_argument("--source",
                         help="another version of core/tokenmill/kernels/csrc/paged_decode.cpp to time beside")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    result.add_argument("--repeats", type=int, default=7)
+    result.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="of the KV pool and the queries")
-    args = parser.parse_args()
+    return result
+
+
+def main() -> None:
+    args = parser().parse_args()
     dtype = getattr(torch, args.dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     print(f"decode attention over {SMOLLM2['layers']} layers, {args.dtype}, {torch.get_num_threads()} threads; "

@@ -65,13 +65,18 @@ def greedy(reference: list[list[int]], other: list[list[int]]) -> tuple[int, flo
     return identical, same / sum(len(a) for a in reference)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench dtype", description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"],
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench dtype``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench dtype", description=__doc__.splitlines()[0])
+    result.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"],
                         help="compared with float32, the reference")
-    parser.add_argument("--model", default=None, help="an HF checkpoint directory instead of the default model")
-    parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
-    args = parser.parse_args(argv)
+    result.add_argument("--model", default=None, help="an HF checkpoint directory instead of the default model")
+    result.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     started = time.monotonic()
     path = checkpoint(args.model)
     model_id = str(path) if args.model else None  # None: what tokenmill loads when no model id is given

@@ -30,11 +30,16 @@ def packed_ms(shapes: list[tuple[int, int]], rows: int, repeats: int = 300) -> f
     return (time.perf_counter() - started) / repeats * 1000
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.fused_linears``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--model", help="a checkpoint directory (default: SmolLM2-135M-Instruct's shapes)")
+    result.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a checkpoint directory (default: SmolLM2-135M-Instruct's shapes)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    args = parser.parse_args()
+    args = parser().parse_args()
     if args.model:
         from transformers import AutoConfig
 

@@ -282,13 +282,18 @@ def shards(config, tokenizer) -> None:
             print(f"--num-shard 2 against 1: {same}/{len(prompts)} identical greedy texts (bfloat16)")
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.gpu_check``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--tiny", action="store_true", help="a small model, for checking the script on CPU")
+    result.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    result.add_argument("--new-tokens", type=int, default=128)
+    result.add_argument("--block-size", type=int, default=16)
+    return result
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a small model, for checking the script on CPU")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
+    args = parser().parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     config = model_config(args.tiny)

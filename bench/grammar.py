@@ -68,15 +68,20 @@ def run_batch(engine: Any, prompt_ids: list[int], grammars: list[Any], new_token
     return time.perf_counter() - started
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench grammar``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench grammar", description=__doc__.splitlines()[0])
+    result.add_argument("--batch-size", type=int, default=8)
+    result.add_argument("--new-tokens", type=int, default=64)
+    result.add_argument("--rounds", type=int, default=5)
+    result.add_argument("--model-id", help="a checkpoint directory (default: the tests' tiny random model)")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
 
-    parser = argparse.ArgumentParser(prog="python -m bench grammar", description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--model-id", help="a checkpoint directory (default: the tests' tiny random model)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         model_id = args.model_id or str(tiny_model(Path(scratch) / "tiny"))
         started = start_ignoring_eos(Config(model_id=model_id, backend="paged"))

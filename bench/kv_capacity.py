@@ -54,10 +54,15 @@ def measure(budget_mib: int) -> None:
               f"({per_sequence / 2**20:.1f} MiB per sequence at peak)")
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.kv_capacity``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--budget-mib", type=int, default=1024)
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-mib", type=int, default=1024)
-    measure(parser.parse_args().budget_mib)
+    measure(parser().parse_args().budget_mib)
 
 
 if __name__ == "__main__":

@@ -59,23 +59,28 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
             "decode_tokens_per_s": batch / decode * 1000}
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench latency``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench latency", description=__doc__.splitlines()[0])
+    result.add_argument("--model-id", default=None, help="default: SmolLM2-135M-Instruct")
+    result.add_argument("--backend", default="auto")
+    result.add_argument("--attention", default=None)
+    result.add_argument("--dtype", default=None, help="as tokenmill launch's --dtype (default: auto)")
+    result.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    result.add_argument("--sequence-length", type=int, default=10)
+    result.add_argument("--decode-length", type=int, default=8)
+    result.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: oneDNN-packed linear weights on CPU (float32 only)")
+    result.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
+    result.add_argument("--runs", type=int, default=3)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
 
-    parser = argparse.ArgumentParser(prog="python -m bench latency", description=__doc__.splitlines()[0])
-    parser.add_argument("--model-id", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--attention", default=None)
-    parser.add_argument("--dtype", default=None, help="as tokenmill launch's --dtype (default: auto)")
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--sequence-length", type=int, default=10)
-    parser.add_argument("--decode-length", type=int, default=8)
-    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: oneDNN-packed linear weights on CPU (float32 only)")
-    parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     most = max(args.batch_size)
     config = Config(model_id=args.model_id, backend=args.backend, attention=args.attention, dtype=args.dtype,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,

@@ -58,15 +58,20 @@ def decode_tokens_per_s(model: Any, batch: int, steps: int = 32, prompt_tokens: 
     return {"batch": batch, "tokens_per_s": batch * steps / elapsed, "step_ms": 1000 * elapsed / steps}
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.limit``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--model", required=True)
+    result.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    result.add_argument("--steps", type=int, default=32)
+    result.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return result
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = parser.parse_args()
+    args = parser().parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     result = {"threads": torch.get_num_threads(), "matmul_gflops_fp32": matmul_gflops(),
               "matmul_gflops_bf16": matmul_gflops(dtype=torch.bfloat16),

@@ -46,16 +46,21 @@ def write_random_adapter(target: Path, seed: int, rank: int = 8, base_dir: Path 
     return target
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench lora``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench lora", description=__doc__.splitlines()[0])
+    result.add_argument("--concurrency", type=int, default=32)
+    result.add_argument("--new-tokens", type=int, default=32)
+    result.add_argument("--rank", type=int, default=16)
+    result.add_argument("--backend", default="paged", choices=["paged", "transformers"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
     from tokenmill.model.loading import converted_gguf, default_gguf
 
-    parser = argparse.ArgumentParser(prog="python -m bench lora", description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--backend", default="paged", choices=["paged", "transformers"])
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     source = converted_gguf(default_gguf())
     with tempfile.TemporaryDirectory() as scratch:
         names = [f"adapter{i}" for i in range(4)]

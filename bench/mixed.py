@@ -157,17 +157,22 @@ def render(run_data: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench mixed``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench mixed", description=__doc__.splitlines()[0])
+    result.add_argument("--duration", type=float, default=150.0, help="seconds of flood and trickle per scheduler")
+    result.add_argument("--long-concurrency", type=int, default=12)
+    result.add_argument("--short-every", type=float, default=3.0)
+    result.add_argument("--max-batch-size", type=int, default=8)
+    result.add_argument("--schedulers", nargs="+", default=["fifo", "priority"])
+    result.add_argument("--server-args", default="", help="more tokenmill launch flags for every run, in one string")
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
+    result.add_argument("--no-write", action="store_true")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench mixed", description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=150.0, help="seconds of flood and trickle per scheduler")
-    parser.add_argument("--long-concurrency", type=int, default=12)
-    parser.add_argument("--short-every", type=float, default=3.0)
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--schedulers", nargs="+", default=["fifo", "priority"])
-    parser.add_argument("--server-args", default="", help="more tokenmill launch flags for every run, in one string")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     run_data = run(args.duration, args.long_concurrency, args.short_every, args.max_batch_size, args.schedulers,
                    args.server_args.split())
     command = "python -m bench mixed " + " ".join(argv if argv is not None else sys.argv[1:])

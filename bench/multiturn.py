@@ -285,20 +285,25 @@ def plot(run: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench multiturn``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench multiturn", description=__doc__.splitlines()[0])
+    result.add_argument("--conversations", type=int, default=16)
+    result.add_argument("--turns", type=int, default=4)
+    result.add_argument("--max-tokens", type=int, default=48)
+    result.add_argument("--system-tokens", type=int, default=600)
+    result.add_argument("--repeats", type=int, default=3,
+                        help="runs per system, each on a server of its own; the table shows the median one")
+    result.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
+    result.add_argument("--no-write", action="store_true")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m bench multiturn", description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--system-tokens", type=int, default=600)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per system, each on a server of its own; the table shows the median one")
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     checkpoint = default_checkpoint()
     prompt = system_prompt(AutoTokenizer.from_pretrained(checkpoint.hf_dir), args.system_tokens)
     run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),

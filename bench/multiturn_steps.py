@@ -59,20 +59,25 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
     return {"wall_s": time.perf_counter() - started, "prefill": steps.prefill, "decode": steps.decode,
             "decode_phases_ms": steps.decode_phase_medians_ms()}
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.multiturn_steps``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--conversations", type=int, default=16)
+    result.add_argument("--turns", type=int, default=4)
+    result.add_argument("--max-tokens", type=int, default=48)
+    result.add_argument("--system-tokens", type=int, default=600)
+    result.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    result.add_argument("--block-size", type=int, default=None)
+    return result
+
+
 def main() -> None:
     from tokenmill.config import Config
     from tokenmill.engine.startup import start_engine
     from tokenmill.model.loading import Stages
     from tokenmill.plugin_manager import build_plugin_manager
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--system-tokens", type=int, default=600)
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--block-size", type=int, default=None)
-    args = parser.parse_args()
+    args = parser().parse_args()
     started = start_engine(Config(prefix_caching=args.prefix_caching, block_size=args.block_size,
                                   compile_before_ready=True),
                            build_plugin_manager(), Stages())

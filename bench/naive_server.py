@@ -140,12 +140,17 @@ class QueueingServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.naive_server``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--model", required=True)
+    result.add_argument("--host", default="127.0.0.1")
+    result.add_argument("--port", type=int, default=8000)
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args()
+    args = parser().parse_args()
     server = QueueingServer((args.host, args.port), make_handler(NaiveModel(args.model)))
     server.serve_forever()
 

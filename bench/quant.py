@@ -94,15 +94,20 @@ def measure(config: Any, texts: list[str], concurrency: list[int], new_tokens: i
     return row
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench quant``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench quant", description=__doc__.splitlines()[0])
+    result.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    result.add_argument("--new-tokens", type=int, default=32)
+    result.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from tokenmill.config import Config
     from tokenmill.model.loading import converted_gguf, default_gguf
 
-    parser = argparse.ArgumentParser(prog="python -m bench quant", description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     source = converted_gguf(default_gguf())
     texts = text_set()
     with tempfile.TemporaryDirectory() as scratch:

@@ -52,16 +52,21 @@ def start(shards: int, log_path: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"--num-shard {shards} not healthy in 300 s")
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench shards``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench shards", description=__doc__.splitlines()[0])
+    result.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    result.add_argument("--new-tokens", type=int, default=64)
+    result.add_argument("--requests", type=int, default=16)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from tokenmill.model.loading import converted_gguf, default_gguf
 
-    parser = argparse.ArgumentParser(prog="python -m bench shards", description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=16)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     prompts, _ = load_prompts(AutoTokenizer.from_pretrained(converted_gguf(default_gguf())))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -292,23 +292,28 @@ def render(run: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=24)
-    parser.add_argument("--max-concurrent-requests", type=int, default=8, help="the server's")
-    parser.add_argument("--model-id", help="an HF checkpoint directory or id instead of SmolLM2-135M")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--kv-tokens", type=int, default=4096,
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench soak``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
+    result.add_argument("--requests", type=int, default=2000)
+    result.add_argument("--concurrency", type=int, default=24)
+    result.add_argument("--max-concurrent-requests", type=int, default=8, help="the server's")
+    result.add_argument("--model-id", help="an HF checkpoint directory or id instead of SmolLM2-135M")
+    result.add_argument("--backend", default="auto")
+    result.add_argument("--kv-tokens", type=int, default=4096,
                         help="the server's --max-batch-total-tokens: a KV pool small enough to be made resident whole "
                              "before memory is measured")
-    parser.add_argument("--server-args", default="", help='more flags for the server, e.g. "--no-compile-model"')
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS),
+    result.add_argument("--server-args", default="", help='more flags for the server, e.g. "--no-compile-model"')
+    result.add_argument("--seed", type=int, default=0)
+    result.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS),
                         help="send only these kinds of request (to narrow a failure down)")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
+    result.add_argument("--no-write", action="store_true")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the server is stopped too
     progress = Progress()
     checkpoint = peers.Checkpoint(Path(args.model_id)) if args.model_id else default_checkpoint()

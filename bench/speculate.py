@@ -376,28 +376,33 @@ def render_section(run: dict[str, Any]) -> str:
 
 # ---- the command ---------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
-
-    parser = argparse.ArgumentParser(prog="python -m bench speculate", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench speculate``'s command line."""
+    result = argparse.ArgumentParser(prog="python -m bench speculate", description=__doc__.splitlines()[0])
+    result.add_argument("--quick", action="store_true",
                         help=f"a smoke run: the first {QUICK.prompts_per_load} prompts of each load, concurrency "
                              f"{' and '.join(map(str, QUICK.concurrency))}, {QUICK.max_new_tokens} new tokens, one "
                              "fill of each level")
-    parser.add_argument("--systems", nargs="+", choices=list(speculators(None, [])), default=list(DEFAULT_SYSTEMS))
-    parser.add_argument("--concurrency", type=int, nargs="+", help="instead of the size's levels (1: always run, "
+    result.add_argument("--systems", nargs="+", choices=list(speculators(None, [])), default=list(DEFAULT_SYSTEMS))
+    result.add_argument("--concurrency", type=int, nargs="+", help="instead of the size's levels (1: always run, "
                                                                    "for the identity check)")
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+    result.add_argument("--max-new-tokens", type=int)
+    result.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="for every system (default: each server's own, auto)")
-    parser.add_argument("--server-args", default="", help="more tokenmill launch flags for every tokenmill system, "
+    result.add_argument("--server-args", default="", help="more tokenmill launch flags for every tokenmill system, "
                                                           "in one string")
-    parser.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md",
+    result.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md",
                         help="the results file whose section to write; the JSON goes to results/ beside it")
-    parser.add_argument("--no-write", action="store_true", help="print the section, write no file")
-    parser.add_argument("--from-json", type=Path, metavar="RUN.json", help="run nothing: print a saved run's section")
-    args = parser.parse_args(argv)
+    result.add_argument("--no-write", action="store_true", help="print the section, write no file")
+    result.add_argument("--from-json", type=Path, metavar="RUN.json", help="run nothing: print a saved run's section")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    args = parser().parse_args(argv)
     if args.from_json:
         print(render_section(json.loads(args.from_json.read_text())), end="")
         return

@@ -158,26 +158,31 @@ def profiled(step: Any) -> float:
     return elapsed
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.steps``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--concurrency", type=int, default=32)
+    result.add_argument("--requests", type=int, default=None, help="requests in all (default: --concurrency)")
+    result.add_argument("--max-batch-prefill-tokens", type=int, default=None, help="as tokenmill launch")
+    result.add_argument("--waiting-served-ratio", type=float, default=None, help="as tokenmill launch")
+    result.add_argument("--new-tokens", type=int, default=64)
+    result.add_argument("--dtype", default=None)
+    result.add_argument("--backend", default="paged")
+    result.add_argument("--model-id", default=None)
+    result.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
+    result.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
+    result.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="as tokenmill launch: reuse computed prompt prefixes (paged backends)")
+    result.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
+    return result
+
+
 def main() -> None:
     from tokenmill.config import Config
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=None, help="requests in all (default: --concurrency)")
-    parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, help="as tokenmill launch")
-    parser.add_argument("--waiting-served-ratio", type=float, default=None, help="as tokenmill launch")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--backend", default="paged")
-    parser.add_argument("--model-id", default=None)
-    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: oneDNN-packed linear weights on CPU in float32")
-    parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: the paged backend's forward through torch.compile on CPU")
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="as tokenmill launch: reuse computed prompt prefixes (paged backends)")
-    parser.add_argument("--profile", choices=["prefill", "decode"], help="print the operator table of one such step")
-    args = parser.parse_args()
+    args = parser().parse_args()
     config = Config(model_id=args.model_id, backend=args.backend, dtype=args.dtype,
                     prepack_weights=args.prepack_weights, compile_model=args.compile_model,
                     prefix_caching=args.prefix_caching,
