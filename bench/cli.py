@@ -9,13 +9,14 @@ name is given; its ``--help`` lists every scenario of the table.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from types import ModuleType
 from typing import Any
 
 from bench import coldstart, compare, dtype, grammar, latency, lora, mixed, multiturn, quant, shards, soak, speculate
 
-SCENARIOS: dict[str, ModuleType] = {
+SCENARIO_MODULES: dict[str, ModuleType] = {
     **dict.fromkeys(compare.SCENARIOS, compare), "latency": latency, "mixed": mixed, "multiturn": multiturn,
     "grammar": grammar, "quant": quant, "shards": shards, "lora": lora, "soak": soak, "dtype": dtype,
     "speculate": speculate, "coldstart": coldstart,
@@ -24,17 +25,37 @@ SCENARIOS: dict[str, ModuleType] = {
 
 def about(name: str) -> str:
     """What scenario ``name`` runs, in a line of ``python -m bench --help``."""
-    module = SCENARIOS[name]
+    module = SCENARIO_MODULES[name]
     return compare.SCENARIOS[name].about if module is compare else module.ABOUT
 
 
+def scenario_lines() -> dict[str, str]:
+    """Every scenario of the table and what it runs, as ``python -m bench --help`` lists them."""
+    return {name: about(name) for name in SCENARIO_MODULES}
+
+
+def route(argv: list[str]) -> tuple[ModuleType, list[str]]:
+    """The module that runs ``python -m bench ARGS`` and the arguments its ``main`` takes: the module of the first
+    argument that names a scenario, without that name (``bench.compare``, which reads the name itself, gets them
+    all, and runs when none is named)."""
+    args = list(argv)
+    name = next((arg for arg in args if arg in SCENARIO_MODULES), None)
+    module = SCENARIO_MODULES[name] if name else compare
+    if module is not compare:
+        args.remove(name)  # its first occurrence: the name itself
+    return module, args
+
+
+def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser that ``python -m bench ARGS`` parses its arguments with, and those arguments."""
+    module, args = route(argv)
+    return (compare.parser(scenario_lines()) if module is compare else module.parser()), args
+
+
 def main(argv: list[str] | None = None) -> Any:
-    args = list(sys.argv[1:] if argv is None else argv)
-    name = next((arg for arg in args if arg in SCENARIOS), None)
-    module = SCENARIOS[name] if name else compare
+    module, args = route(sys.argv[1:] if argv is None else argv)
     if module is compare:
-        return compare.main(args, {scenario: about(scenario) for scenario in SCENARIOS})
-    args.remove(name)  # its first occurrence: the name itself
+        return compare.main(args, scenario_lines())
     return module.main(args)
 
 

@@ -24,6 +24,7 @@ from bench.loadgen import Prompt, RequestResult, run_load
 
 # ---- the model and the requests --------------------------------------------------------------
 
+
 def default_checkpoint() -> peers.Checkpoint:
     """SmolLM2-135M-Instruct as an HF directory (converted once from the packaged GGUF) and the GGUF."""
     from tokenmill.model.loading import converted_gguf, default_gguf

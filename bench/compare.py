@@ -141,23 +141,23 @@ def parser(scenarios: dict[str, str] | None = None) -> argparse.ArgumentParser:
     ones of other modules too, so that ``--help`` lists them all; default: this module's; quick when none) and
     this module's flags."""
     scenarios = scenarios or {s.name: s.about for s in SCENARIOS.values()}
-    found = argparse.ArgumentParser(prog="python -m bench",
+    result = argparse.ArgumentParser(prog="python -m bench",
                                     description="``python -m bench``: tokenmill and its peers, side by side, on the "
                                                 "same model and load.")
-    found.add_argument("scenario", nargs="?", choices=list(scenarios), default="quick",
+    result.add_argument("scenario", nargs="?", choices=list(scenarios), default="quick",
                        help="; ".join(f"{name}: {about}" for name, about in scenarios.items()))
-    found.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
-    found.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
-    found.add_argument("--setup-peers", action="store_true",
+    result.add_argument("--systems", nargs="+", choices=list(peers.SYSTEMS), help="instead of the scenario's")
+    result.add_argument("--concurrency", type=int, nargs="+", help="instead of the scenario's levels")
+    result.add_argument("--setup-peers", action="store_true",
                        help="first install the peers that are missing (vLLM, llama.cpp, transformers serve)")
-    found.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
-    found.add_argument("--model", type=Path, help="an HF checkpoint directory instead of the default SmolLM2")
-    found.add_argument("--no-limit", action="store_true", help="skip the raw batched-decode limit")
-    found.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md", help="the results file to update")
-    found.add_argument("--no-write", action="store_true", help="print the section instead of writing files")
-    found.add_argument("--from-json", type=Path, metavar="RUN.json",
+    result.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR)
+    result.add_argument("--model", type=Path, help="an HF checkpoint directory instead of the default SmolLM2")
+    result.add_argument("--no-limit", action="store_true", help="skip the raw batched-decode limit")
+    result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md", help="the results file to update")
+    result.add_argument("--no-write", action="store_true", help="print the section instead of writing files")
+    result.add_argument("--from-json", type=Path, metavar="RUN.json",
                        help="run nothing: write the section and chart of a saved run again")
-    return found
+    return result
 
 
 def main(argv: list[str] | None = None, scenarios: dict[str, str] | None = None) -> None:

@@ -57,7 +57,6 @@ def step_ms(step: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], r
     return (time.perf_counter() - started) / repeats * 1000
 
 
-@torch.inference_mode()
 def parser() -> argparse.ArgumentParser:
     """``python -m bench.compile_probe``'s command line."""
     result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     return result
 
 
+@torch.inference_mode()
 def main() -> None:
     args = parser().parse_args()
     from transformers import AutoModelForCausalLM

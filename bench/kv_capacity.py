@@ -18,6 +18,7 @@ import torch
 
 BACKENDS = ("transformers", "paged")
 
+
 def measure(budget_mib: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

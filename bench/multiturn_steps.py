@@ -59,6 +59,7 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
     return {"wall_s": time.perf_counter() - started, "prefill": steps.prefill, "decode": steps.decode,
             "decode_phases_ms": steps.decode_phase_medians_ms()}
 
+
 def parser() -> argparse.ArgumentParser:
     """``python -m bench.multiturn_steps``'s command line."""
     result = argparse.ArgumentParser(description=__doc__.splitlines()[0])

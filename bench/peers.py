@@ -100,8 +100,6 @@ def vllm_command(*extra: str) -> Callable[[Checkpoint, int, Path], list[str]]:
     return command
 
 
-
-
 def default_format() -> str:
     """What tokenmill's ``--dtype auto`` runs the float32 checkpoint in on this machine: bf16 where the CPU
     computes it natively. (vLLM's CPU build takes bf16 on every x86 CPU: its ``supported_dtypes[0]``.)"""

@@ -15,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 NOT_DOCS = ("bench/results/", "bench/out/")
-
-
 """Folders whose Markdown is output, not docs (besides hidden folders, ``build``, ``dist``, ``*.egg-info``)."""
 
 
@@ -46,21 +44,15 @@ SHELL_LANGUAGES = ("sh", "bash", "shell", "console", "zsh")
 
 
 COMMAND_LANGUAGES = ("sh", "console", "python")
-
-
 """Fences whose text is commands; any other fence is text."""
 
 
 KNOWN_COMMANDS = {"curl", "wget", "tokenmill", "python", "python3", "pip", "pip3", "docker", "kubectl", "helm",
                   "nginx", "envoy", "bash", "sh", "sudo", "apt-get", "git", "pytest", "mkdir", "chown", "export"}
-
-
 """First words that make a line of a text fence a command hidden from the rules."""
 
 
 FENCE = re.compile(r"^( *)```([^`]*)$")
-
-
 """A fence's opening line: its indent (inside a list item) and its info string."""
 
 

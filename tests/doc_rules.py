@@ -24,6 +24,7 @@ from doc_blocks import ASSIGNMENT, BLOCKS, CI_RUN, DOCS_PORT, ROOT, Block, comma
 from test_gateway import NGINX
 from test_image import MANIFESTS, arguments_of, dockerfile_stages, env_of
 
+from bench import cli
 from tokenmill.config import parse_config
 
 PRELUDE = 'set -euo pipefail\ncurl() { command curl --fail-with-body --max-time 60 "$@"; }\n'
@@ -54,11 +55,7 @@ class Facts:
 
 
 PLACEHOLDERS = {"volume", "model"}
-
-
 """TGI's README's variables for the reader's own directory and model: a flag value, or a ``-v`` source."""
-
-
 
 
 VARIABLE = re.compile(r"\$\{?(\w+)")
@@ -240,20 +237,12 @@ def run_parser(command_line: argparse.ArgumentParser, args: list[str], what: str
 
 def bench_parser(words: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser of ``python -m bench[.MODULE] ARGS`` and the arguments it gets, as bench/cli.py routes them."""
-    from bench import compare
-    from bench.cli import SCENARIOS, about
-
     module_name, args = words[2], list(words[3:])
-    if module_name != "bench":
-        assert (ROOT / "bench" / f"{module_name.removeprefix('bench.')}.py").is_file(), f"{module_name}: no module"
-        module = importlib.import_module(module_name)
-        assert hasattr(module, "parser"), f"{module_name} has no parser() to check its arguments with"
-        return module.parser(), args
-    name = next((arg for arg in args if arg in SCENARIOS), None)
-    module = SCENARIOS[name] if name else compare
-    if module is compare:
-        return compare.parser({scenario: about(scenario) for scenario in SCENARIOS}), args
-    args.remove(name)
+    if module_name == "bench":
+        return cli.parser_for(args)
+    assert (ROOT / "bench" / f"{module_name.removeprefix('bench.')}.py").is_file(), f"{module_name}: no module"
+    module = importlib.import_module(module_name)
+    assert hasattr(module, "parser"), f"{module_name} has no parser() to check its arguments with"
     return module.parser(), args
 
 
@@ -446,7 +435,7 @@ def check_command(command: str, facts: Facts | None = None, request: pytest.Fixt
             assert request is not None and scratch is not None, "curl is checked in a block"
             check_curl(text, words, facts, request, scratch)
         else:
-            pytest.fail(f"no rule checks {text!r}: run it in a ```sh block, or add a rule to tests/test_docs.py")
+            pytest.fail(f"no rule checks {text!r}: run it in a ```sh block, or add a rule to tests/doc_rules.py")
         learn(words, facts)
 
 

@@ -19,6 +19,29 @@ from bench.loadgen import Prompt, parse_event, percentile, run_load
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# ---- python -m bench: one table of scenarios ------------------------------------------
+
+def test_every_scenario_of_the_table_has_a_main_a_parser_and_a_line_of_help() -> None:
+    for name, module in cli.SCENARIO_MODULES.items():
+        assert callable(module.main) and callable(module.parser), name
+        assert cli.about(name), name
+    assert set(compare.SCENARIOS) <= set(cli.SCENARIO_MODULES)
+
+
+def test_the_first_scenario_name_picks_the_module_which_gets_the_other_arguments() -> None:
+    assert cli.route(["latency", "--rows", "1"]) == (cli.SCENARIO_MODULES["latency"], ["--rows", "1"])
+    assert cli.route(["--no-write", "mixed"]) == (cli.SCENARIO_MODULES["mixed"], ["--no-write"])
+    assert cli.route(["full", "--no-limit"]) == (compare, ["full", "--no-limit"]), "compare reads its own name"
+    assert cli.route([]) == (compare, []), "quick when none is named"
+
+
+def test_bench_help_lists_every_scenario_of_the_table() -> None:
+    command_line, args = cli.parser_for(["--help"])
+    listed = command_line.format_help()
+    assert args == ["--help"]
+    assert all(name in listed for name in cli.SCENARIO_MODULES)
+
+
 # ---- reading the three streaming APIs ------------------------------------------------
 
 def test_a_tgi_token_event_is_one_token_and_the_last_event_carries_the_count() -> None:

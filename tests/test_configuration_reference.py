@@ -46,12 +46,12 @@ def hand_written(text: str) -> str:
     return text[:text.index("<!-- flag reference")]
 
 
-def test_the_flag_reference_in_docs_configuration_md_matches_the_parser(script):
+def test_the_flag_reference_in_docs_configuration_md_matches_the_parser(script) -> None:
     diff = script.stale_diff(PAGE.read_text())
     assert not diff, f"docs/configuration.md is stale; run python .ci/configuration_reference.py\n{diff}"
 
 
-def test_the_check_command_passes_on_the_page_and_fails_with_a_diff_on_a_stale_copy(tmp_path):
+def test_the_check_command_passes_on_the_page_and_fails_with_a_diff_on_a_stale_copy(tmp_path) -> None:
     assert subprocess.run([sys.executable, str(SCRIPT), "--check"], check=False, cwd=ROOT).returncode == 0
     stale = tmp_path / "configuration.md"
     text = PAGE.read_text()
@@ -65,7 +65,7 @@ def test_the_check_command_passes_on_the_page_and_fails_with_a_diff_on_a_stale_c
     assert "+| `--max-total-tokens` | `MAX_TOTAL_TOKENS` |" in result.stderr
 
 
-def test_a_flag_added_to_the_parser_changes_the_reference(script):
+def test_a_flag_added_to_the_parser_changes_the_reference(script) -> None:
     parser = build_parser(env={})
     before = script.reference_block(parser)
     parser.add_argument("--new-setting", type=int, default=7, help="a setting added later [env NEW_SETTING]")
@@ -74,7 +74,7 @@ def test_a_flag_added_to_the_parser_changes_the_reference(script):
     assert "--new-setting" not in before
 
 
-def test_generating_rewrites_only_the_block_between_the_markers(script, tmp_path):
+def test_generating_rewrites_only_the_block_between_the_markers(script, tmp_path) -> None:
     page = tmp_path / "configuration.md"
     page.write_text(f"# Prose\n\nby hand\n\n{script.BEGIN}\nstale table\n{script.END}\n\nafter\n")
     assert script.main(["--path", str(page)]) == 0
@@ -87,7 +87,7 @@ def test_generating_rewrites_only_the_block_between_the_markers(script, tmp_path
 
 
 @pytest.mark.parametrize("action", parser_flags(), ids=lambda action: action.option_strings[0])
-def test_every_flag_the_parser_knows_is_in_the_reference_with_its_variable_and_default(action, script):
+def test_every_flag_the_parser_knows_is_in_the_reference_with_its_variable_and_default(action, script) -> None:
     row = reference_rows(PAGE.read_text()).get(action.option_strings[0])
     assert row, f"{action.option_strings[0]} is not in docs/configuration.md"
     cells = [cell.strip() for cell in row.strip("|").split(" | ")]
@@ -98,7 +98,7 @@ def test_every_flag_the_parser_knows_is_in_the_reference_with_its_variable_and_d
     assert cells[3] == script.default_text(action)
 
 
-def test_each_flag_reads_the_variable_the_reference_gives_it():
+def test_each_flag_reads_the_variable_the_reference_gives_it() -> None:
     assert env_name("max_total_tokens") == "MAX_TOTAL_TOKENS"
     for action in parser_flags():
         name = env_name(action.dest)
@@ -112,7 +112,7 @@ def test_each_flag_reads_the_variable_the_reference_gives_it():
 
 
 @pytest.mark.parametrize("action", parser_flags(), ids=lambda action: action.option_strings[0])
-def test_every_flag_says_what_it_does_and_what_unset_means(action, script):
+def test_every_flag_says_what_it_does_and_what_unset_means(action, script) -> None:
     text = script.meaning(action)
     assert text.strip(), f"{action.option_strings[0]} has no help text"
     assert "|" not in text, f"{action.option_strings[0]}: a help text with | breaks the table"
@@ -120,7 +120,7 @@ def test_every_flag_says_what_it_does_and_what_unset_means(action, script):
         assert "default" in text, f"{action.option_strings[0]} is unset by default and does not say what that means"
 
 
-def test_the_reference_groups_tokenmills_flags_then_tgis_launcher_flags_then_sagemakers_variables(script):
+def test_the_reference_groups_tokenmills_flags_then_tgis_launcher_flags_then_sagemakers_variables(script) -> None:
     block = script.reference_block()
     headings = [line for line in block.splitlines() if line.startswith("### ")]
     assert headings == ["### tokenmill's flags",
@@ -140,7 +140,7 @@ def test_the_reference_groups_tokenmills_flags_then_tgis_launcher_flags_then_sag
         assert f"| `{source}` | `{target}` | `{flag}` |" in block and flag in flags
 
 
-def test_the_prose_says_how_flags_and_variables_relate_and_how_a_contradiction_fails():
+def test_the_prose_says_how_flags_and_variables_relate_and_how_a_contradiction_fails() -> None:
     prose = hand_written(PAGE.read_text())
     for words in ("`--max-total-tokens` reads `MAX_TOTAL_TOKENS`", "`--port` reads `PORT`", "the first of these wins",
                   "one line on stderr and exit status 2", "tokenmill: error:", "HF_API_TOKEN", "SM_NUM_GPUS=0"):
@@ -163,7 +163,7 @@ def environment_variables_read_in_core() -> set[str]:
     return found
 
 
-def test_every_environment_variable_tokenmill_reads_is_on_the_page():
+def test_every_environment_variable_tokenmill_reads_is_on_the_page() -> None:
     text = PAGE.read_text()
     flag_variables = {env_name(action.dest) for action in parser_flags()}
     read = environment_variables_read_in_core()

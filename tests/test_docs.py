@@ -95,6 +95,8 @@ from doc_blocks import (
 )
 from doc_rules import PRELUDE, Facts, bench_parser, check_command, command_env, facts_before, run_parser
 
+from bench import cli
+
 MARK = "@@tokenmill-docs-command-done@@"
 
 
@@ -162,8 +164,6 @@ def docs_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def for_server(text: str, server: RunningServer) -> str:
     return text if server.port == DOCS_PORT else text.replace(f"localhost:{DOCS_PORT}", f"localhost:{server.port}")
-
-
 
 
 def test_the_shape_check_sees_keys_types_and_lengths() -> None:
@@ -331,13 +331,10 @@ def test_a_command_in_a_text_fence_is_seen() -> None:
 
 
 PLACEHOLDER = re.compile(r"<|[A-Z][A-Z0-9_]*(\.\w+)?$")
-
-
 """A value the reader fills in, in a usage line: ``N``, ``DIR``, ``RUN.json``, ``<old kernel>``."""
 
 
 def test_the_benchmarks_the_prose_names_exist_with_their_flags() -> None:
-    from bench.cli import SCENARIOS
 
     named = {match for path in DOC_FILES for match in re.findall(r"python -m bench([. ][a-z_]+)", path.read_text())}
     assert named
@@ -345,7 +342,7 @@ def test_the_benchmarks_the_prose_names_exist_with_their_flags() -> None:
         if name.startswith("."):
             assert (ROOT / "bench" / f"{name[1:]}.py").is_file(), f"python -m bench{name}: no such module"
         else:
-            assert name.strip() in SCENARIOS, f"python -m bench{name}: not a scenario of bench/cli.py"
+            assert name.strip() in cli.SCENARIO_MODULES, f"python -m bench{name}: not a scenario of bench/cli.py"
     spans = bench_spans()
     assert spans
     wrong = []

@@ -17,8 +17,7 @@ OLD_PATHS = {  # hooks.md's table: old path -> new path(s), and the names plugin
     "tokenmill.sequence": (("tokenmill.engine.sequence",), ("GenerationRequest", "SamplingParams", "Sequence",
                                                             "TokenEvent")),
     "tokenmill.server": (("tokenmill.http.app", "tokenmill.http.state"), ("ServerState", "create_app")),
-    "tokenmill.lora": (("tokenmill.model.adapters", "tokenmill.model.lora"),
-                       ("Adapter", "AdapterCache", "adapter_rows")),
+    "tokenmill.lora": (("tokenmill.model.adapters",), ("Adapter", "AdapterCache", "adapter_rows")),
     "tokenmill.kv_memory": (("tokenmill.model.kv_memory",), ("bytes_per_token", "model_kv_shape")),
     "tokenmill.plugins": (("tokenmill.plugin_manager",), ("build_plugin_manager", "choose")),
 }
@@ -40,8 +39,11 @@ def test_an_old_path_gives_the_new_modules_objects_and_warns_that_it_is_deprecat
 def test_the_old_paths_import_in_a_fresh_interpreter() -> None:
     # In a fresh interpreter, so that nothing imported earlier by the tests makes it pass.
     statements = [f"from {old} import {', '.join(names)}" for old, (_, names) in OLD_PATHS.items()]
-    statements += ["from tokenmill.interfaces import Backend, BackendRunner, Scheduler, SchedulerQueue, StepBudget",
-                   "from tokenmill.engine import Engine", "from tokenmill.hookspecs import HOOKS_VERSION"]
+    statements += [("from tokenmill.interfaces import Backend, BackendRunner, Scheduler, SchedulerQueue, StepBudget, "
+                    "PagedStep"),
+                   "from tokenmill.engine import Engine",
+                   "from tokenmill.sampling import SequenceSampler, uses_sampling",
+                   "from tokenmill.hookspecs import HOOKS_VERSION"]
     result = subprocess.run([sys.executable, "-c", "\n".join(statements)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -94,8 +94,9 @@ _HELP = {
     "allow_adapter_loading": "allow POST /adapters without --api-key (logged as a warning): trusted networks only",
     "graceful_termination_timeout": ("after SIGTERM: seconds in-flight requests may take to finish (/health and new "
                                      "requests say 503 meanwhile) before they are ended with an error"),
-    "api_key": ("require `Authorization: Bearer <key>` on all routes but /health, /info, /metrics, /v1/models (401; "
-                "default: none, no key asked)"),
+    "api_key": ("require `Authorization: Bearer <key>` on every route but what probes, scrapers and API "
+                "descriptions read: GET /, /health, /ping, /info, /version, /metrics, /v1/models, /openapi.json, "
+                "/api-doc/openapi.json and /docs (401; default: none, no key asked)"),
     "cors_allow_origin": ("origins allowed to call the API from a browser, comma-separated, or * (default: no CORS "
                           "headers)"),
     "json_output": "log as JSON lines, each request's lines with its request id",
@@ -108,8 +109,8 @@ _HELP = {
                       "HF_HUB_OFFLINE=1) or `id=path` (a PEFT checkpoint directory); requests pick one with "
                       "`adapter_id` (OpenAI routes: `model`; default: none)"),
     "lora_cache_limit": ("most LoRA adapters in memory; the least recently used idle one is evicted and reloaded "
-                         "when asked for again (default: 8, or as many as --lora-adapters names). Setting it also "
-                         "enables POST /adapters without --lora-adapters; with every slot in use, a request for "
+                         "when asked for again (default: as many as --lora-adapters names, at least 8). Setting it "
+                         "also enables POST /adapters without --lora-adapters; with every slot in use, a request for "
                          "another adapter gets 429"),
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "enable_profiling": ("serve GET /debug/profile?seconds=N: a py-spy flame graph (SVG) of the server (needs "

@@ -1,7 +1,10 @@
 """LoRA adapters as files and in memory: reading a PEFT checkpoint into an :class:`Adapter`
 (refusing one that does not fit the base model), and the :class:`AdapterCache` that knows every
 adapter by name and keeps at most ``--lora-cache-limit`` of them in memory, least recently used
-first out; a request pins its adapter while it runs, and a pinned adapter is never evicted."""
+first out; a request pins its adapter while it runs, and a pinned adapter is never evicted.
+
+It also re-exports the layer side (:mod:`tokenmill.model.lora`: ``install``, ``adapter_rows``, ``Adapter``,
+...), as hooks.md told plugin authors it does."""
 
 from __future__ import annotations
 
@@ -17,15 +20,19 @@ import torch
 
 from tokenmill.model import hub
 from tokenmill.model.loading import ModelLoadError
-from tokenmill.model.lora import (
+from tokenmill.model.lora import (  # the layer side too: hooks.md names it here
     PEFT_PREFIX,
     TARGETABLE,
     Adapter,
     AdapterBusy,
     AdapterError,
     LoraBatch,
+    LoraLinear,
     LoraPair,
+    StackedAdapters,
+    adapter_rows,
     install,
+    lora_batch,
 )
 
 if TYPE_CHECKING:
@@ -228,3 +235,8 @@ def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> Adapte
         return cache
 
     return stages.run("loading adapters", load, detail=", ".join(name for name, _ in named) or "none yet")
+
+
+__all__ = ["PEFT_PREFIX", "TARGETABLE", "Adapter", "AdapterBusy", "AdapterCache", "AdapterError", "CacheStats",
+           "LoraBatch", "LoraLinear", "LoraPair", "StackedAdapters", "adapter_rows", "install", "load_adapters",
+           "locate", "lora_batch", "peft_unavailable_reason", "read_peft_adapter"]
