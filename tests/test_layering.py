@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_import_paths import OLD_PATHS as PROMISED_OLD_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_ROOTS = (ROOT / "core", ROOT / "plugins", ROOT)
 PACKAGES = ("tokenmill", "tokenmill_plugins", "bench")  # the packages each source root's folders hold
 CORE = ROOT / "core" / "tokenmill"
 TRACKED_ROOTS = (*PACKAGES, "falcon")
-OLD_PATHS = ("tokenmill.admission", "tokenmill.kv_memory", "tokenmill.lora", "tokenmill.plugins", "tokenmill.prefix",
-             "tokenmill.quant_linears", "tokenmill.sequence", "tokenmill.server")
+OLD_PATHS = tuple(PROMISED_OLD_PATHS)  # the hooks 1.0 paths, kept only as re-exports
 
 ENGINE_THREAD = ("tokenmill.engine", "tokenmill.sampling", "tokenmill.model", "tokenmill.kernels",
                  "tokenmill.interfaces")

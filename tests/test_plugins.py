@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from doc_blocks import fenced_blocks
 
 from tokenmill import hookspecs
 from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, list_all
@@ -109,8 +110,8 @@ def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_firs
     from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
     from tokenmill.interfaces import BatchLimits, StepBudget
 
-    text = (ROOT / "hooks.md").read_text()
-    [code] = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "ShortestFirst" in block]
+    [code] = [block.text for block in fenced_blocks(ROOT / "hooks.md")
+              if block.language == "python" and "ShortestFirst" in block.text]
     module = types.ModuleType("example_scheduler")
     exec(compile(code, "hooks.md", "exec"), module.__dict__)
     pm = build_plugin_manager(autoload=False)
