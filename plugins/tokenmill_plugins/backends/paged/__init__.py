@@ -44,6 +44,11 @@ from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
 log = logging.getLogger(__name__)
 
+BUILD_ATTEMPTS = 3
+"""Tries at building the compiled forward in the background. Dynamo traces the model while the engine
+runs it eagerly in another thread, and transformers' output capturing is not thread-safe under
+torch.compile: a guard built from a value the engine thread changed meanwhile fails the trace."""
+
 
 class PagedRunner(BackendRunner):
     chunked_prefill = True
@@ -83,10 +88,18 @@ class PagedRunner(BackendRunner):
     def build_compiled_forward(self) -> None:
         """Compile the forward now, from a thread other than the engine's, on made-up steps of its own;
         steps run eagerly until it is built, and through it from then on. Raises if the compile fails
-        (the forward then stays eager)."""
-        forward = CompiledForward(self.model)
-        forward.build(self.pool, self.kernel, self.device)
-        self.compiled = forward
+        (the forward then stays eager) when each of :data:`BUILD_ATTEMPTS` failed."""
+        for attempt in range(1, BUILD_ATTEMPTS + 1):
+            forward = CompiledForward(self.model)
+            try:
+                forward.build(self.pool, self.kernel, self.device)
+            except Exception as error:  # noqa: BLE001 - tried again, then raised
+                if attempt == BUILD_ATTEMPTS:
+                    raise
+                log.warning("building the compiled forward failed (%s: %s); trying again", type(error).__name__, error)
+                continue
+            self.compiled = forward
+            return
 
     def prefix_caching_unavailable_reason(self) -> str | None:
         """Why :meth:`enable_prefix_caching` cannot run with this KV pool, or None."""
