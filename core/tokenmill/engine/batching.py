@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.engine.output import Output
 from tokenmill.engine.scheduling import GuardedQueue
@@ -30,6 +31,9 @@ class StepPlan:
     decode: tuple[Sequence, ...]
     drafts: tuple[tuple[int, ...], ...] = ()
     """With ``--speculate``: per decoding sequence, the draft tokens fed after its newest (``()``: none drafts)."""
+    cached: tuple[int, ...] = ()
+    """Per prefilling sequence, the tokens it took from the prefix cache in this step (``()``: none did).
+    Blocks named in this step may be among them: they are computed by this step's forward only."""
 
     @property
     def empty(self) -> bool:
@@ -72,6 +76,8 @@ class Batch:
         """... and of those, the tokens found there."""
         self.speculator: Speculator | None = None
         """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
+        self._cached: dict[int, int] = {}
+        """Per sequence started from the prefix cache in the step being planned: the tokens it took."""
 
     @property
     def queue(self) -> SchedulerQueue:
@@ -92,10 +98,12 @@ class Batch:
         set aside running sequences for waiting ones, then admit and plan this step's prefill."""
         self._make_room_for_decode()
         self._preempt_for_waiting()
+        self._cached = {}
         prefill = self._plan_prefill()
         decode = tuple(self.decoding())
         chunks = tuple(n for _, n in prefill)
-        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, self._drafts(decode, sum(chunks)))
+        cached = tuple(self._cached.get(s.id, 0) for s, _ in prefill) if self._cached else ()
+        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, self._drafts(decode, sum(chunks)), cached)
 
     def _drafts(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
         """The speculator's drafts for ``decode``; none when it is off or failed (the step goes on without)."""
@@ -141,8 +149,8 @@ class Batch:
         done, rows = [], []
         for row, (seq, chunk, logits) in enumerate(zip(plan.prefill, plan.chunks, out.prompt_logits)):
             seq.num_computed += chunk
-            if logits is not None:
-                self.output.prompt_details(seq, logits)
+            if logits is not None and not self._prompt_details(seq, logits):
+                continue
             if seq.pending_len == 0:
                 done.append(seq)
                 rows.append(row)
@@ -151,6 +159,16 @@ class Batch:
             self.prefilling = [s for s in self.prefilling if s.id not in finished_ids]
             self.running.extend(done)
         return done, rows
+
+    def _prompt_details(self, seq: Sequence, logits: Any) -> bool:
+        """Fill ``seq``'s prompt details; False when that failed (it was told, and released)."""
+        try:
+            self.output.prompt_details(seq, logits)
+        except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+            log.exception("the prompt details of sequence %d failed", seq.id)
+            self.fail([seq], f"prefill failed: {type(error).__name__}: {error}")
+            return False
+        return True
 
     def start_sequence(self, seq: Sequence) -> bool:
         """Give an admitted sequence its sampling state (kept across preemptions); False when that
@@ -208,11 +226,22 @@ class Batch:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV memory and queue it to be recomputed from its tokens so far."""
-        self.release([seq])
-        seq.num_computed = 0
-        self.scheduler.requeue(seq)
+        self.restart(seq)
         self.preemptions += 1
         log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
+
+    def restart(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV memory and queue it, first in line, to be computed again from its tokens so
+        far (looked up in the prefix cache again)."""
+        self.release([seq])
+        self.forget_progress([seq])
+        self.scheduler.requeue(seq)
+
+    @staticmethod
+    def forget_progress(seqs: list[Sequence]) -> None:
+        """``seqs`` hold no KV memory (any more): each is computed again from its first token."""
+        for seq in seqs:
+            seq.num_computed = 0
 
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
         """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
@@ -252,6 +281,8 @@ class Batch:
                 seq.cached_tokens = cached
             self.prefix_queried_tokens += seq.total_len
             self.prefix_hit_tokens += cached
+            if cached:
+                self._cached[seq.id] = cached
         return chunk
 
     def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:

@@ -236,17 +236,29 @@ class Engine(BackendSurface):
         self._published = (tuple(self.batch.scheduler.pending()), tuple(self.batch.prefilling), tuple(self.running))
 
     def _take_inbox(self) -> None:
+        """Queue the new sequences and free the cancelled ones; the prefix-cache resets asked for are
+        answered whatever that raised (the error then reaches the loop's recovery)."""
         incoming, cancelled, resets = self.inbox.take()
-        for seq in incoming:
-            if not seq.cancelled:
-                self.live.add(seq)
-                if not self.batch.scheduler.add(seq):
-                    self.fail([seq], "the scheduler failed; the request could not be queued")
-        for seq in cancelled:  # waiting or running: its KV memory is freed now
-            self.batch.scheduler.remove(seq)
-        self.release(cancelled)
-        for done in resets:
-            done(self.drop_cached_prefixes())
+        try:
+            for seq in incoming:
+                if not seq.cancelled:
+                    self.live.add(seq)
+                    if not self.batch.scheduler.add(seq):
+                        self.fail([seq], "the scheduler failed; the request could not be queued")
+            for seq in cancelled:  # waiting or running: its KV memory is freed now
+                self.batch.scheduler.remove(seq)
+            self.release(cancelled)
+        finally:
+            for done in resets:
+                done(self._dropped_prefixes())
+
+    def _dropped_prefixes(self) -> int:
+        """:meth:`drop_cached_prefixes`, or 0 when it raised (a reset must always be answered)."""
+        try:
+            return self.drop_cached_prefixes()
+        except Exception:  # noqa: BLE001 - the caller waits for an answer
+            log.exception("resetting the prefix cache failed")
+            return 0
 
     def _loop(self) -> None:
         try:
@@ -259,16 +271,23 @@ class Engine(BackendSurface):
                         trimmed = time.monotonic()
                 except Exception:  # noqa: BLE001 - a step that fails must not end the loop
                     log.exception("engine step failed; failing the running batch and starting afresh")
-                    self.fail(self.batch.holding, "internal error in the engine step")
-                    self.runner.reset()
-                    self.batch.running, self.batch.prefilling = [], []
-                    self.end_orphans("the engine step failed")
-                    self.health.step_ended(ok=False)
+                    self._recover()
         except Exception as error:  # noqa: BLE001 - even recovery failed: stop serving, loudly
             log.exception("the engine cannot recover; /health now reports it")
             self.health.give_up(f"recovering from a failed step failed: {type(error).__name__}: {error}")
         finally:
             self._fail_everything("the server is shutting down" if self.inbox.stopping else "the engine stopped")
+
+    def _recover(self) -> None:
+        """After an error no step part caught: fail the batch, forget every KV block (what they hold can
+        no longer be trusted), and have every sequence still waiting (a suspended one kept its KV)
+        computed again from its tokens."""
+        self.fail(self.batch.holding, "internal error in the engine step")
+        self.runner.reset()
+        self.batch.running, self.batch.prefilling = [], []
+        self.batch.forget_progress(self.live.all())
+        self.end_orphans("the engine step failed")
+        self.health.step_ended(ok=False)
 
     def _wait_for_work(self) -> bool:
         batch = self.batch

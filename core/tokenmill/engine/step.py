@@ -12,9 +12,11 @@ import torch
 
 from tokenmill.engine.batching import Batch, Fail, Release, StepPlan
 from tokenmill.engine.output import Output
+from tokenmill.engine.sequence import GenerationRequest, Sequence
 from tokenmill.engine.speculation import Speculator
 from tokenmill.engine.timing import Speculated, StepClock, StepTiming
 from tokenmill.interfaces import StepOutput
+from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +39,14 @@ class StepExecution:
             isolated = self.isolate(plan)
             if isolated is None:
                 self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
-            return clock.timing(ok=bool(isolated))
+            return clock.timing(ok=bool(isolated) or self.probe())
         clock.forwarded()
-        speculated = self.sample(plan, out)
+        try:
+            speculated = self.sample(plan, out)
+        except Exception as error:  # noqa: BLE001 - the forward ran: only this step's sequences fail
+            log.exception("handing on the step's tokens failed")
+            self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
+            return clock.timing(ok=True)
         return clock.timing(ok=out.prefill_error is None, speculated=speculated)
 
     def forward(self, plan: StepPlan) -> StepOutput:
@@ -58,6 +65,13 @@ class StepExecution:
             parts.append(StepPlan((), (), plan.decode))  # without drafts: they may be what failed
         if not self.batch.runner.pausable or (len(parts) < 2 and not plan.drafts):
             return None
+        # A sequence that took cached blocks in this step may share ones only the failed forward was to
+        # compute: it starts again from what the cache holds once its part would run.
+        restarted = {seq.id for seq, cached in zip(plan.prefill, plan.cached) if cached}
+        for seq in plan.prefill:
+            if seq.id in restarted:
+                self.batch.restart(seq)
+        parts = [part for part in parts if not (part.prefill and part.prefill[0].id in restarted)]
         ran = False
         for part in parts:
             try:
@@ -70,6 +84,20 @@ class StepExecution:
             self.sample(part, out)
             ran = True
         return ran
+
+    def probe(self) -> bool:
+        """After a step whose every part failed: whether a made-up one-token prefill runs, that is,
+        whether the failure was its requests' own and the engine can still serve."""
+        runner = self.batch.runner
+        probe = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
+        try:
+            runner.step([probe], [1], [False], [])
+            return True
+        except Exception:  # noqa: BLE001 - the engine's failure: counted towards --max-failed-steps
+            log.exception("a probe step failed too")
+            return False
+        finally:
+            runner.release([probe])
 
     def sample(self, plan: StepPlan, out: StepOutput) -> Speculated | None:
         """Sample the step's tokens from its logits and hand them to their sequences; with drafts, what
@@ -102,8 +130,17 @@ class StepExecution:
         for seq, draft, count in zip(decode, fed, produced):
             if draft:
                 Speculator.observe(seq, count)
-        self.batch.runner.rollback([seq for seq, draft in zip(decode, fed) if draft])  # before those that ended go
+        self._rollback([seq for seq, draft in zip(decode, fed) if draft])  # before those that ended go
         self.release(finished)
         skipped = tuple(max(0, count - 1) for draft, count in zip(fed, produced) if draft)
         return Speculated(sum(len(d) for d in fed), sum(skipped), skipped)
 
+    def _rollback(self, seqs: list[Sequence]) -> None:
+        """Drop the KV of the drafts ``seqs`` rejected, one sequence at a time, so that a failure fails
+        its own sequence (and a rollback half done is never done twice)."""
+        for seq in seqs:
+            try:
+                self.batch.runner.rollback([seq])
+            except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+                log.exception("rolling back the draft of sequence %d failed", seq.id)
+                self.fail([seq], f"generation failed: {type(error).__name__}: {error}")
