@@ -209,3 +209,92 @@ def test_a_prefix_cache_reset_is_answered_when_taking_the_inbox_fails(paged_engi
         assert not errors(served)
     finally:
         engine.stop()
+
+
+def test_a_prompt_that_took_computed_blocks_and_fails_on_its_own_gets_its_error_beside_others(
+        paged_engine, tiny_model):
+    model, tokenizer = tiny_model
+    engine = paged_engine(prefix_caching=True)
+    warm = Collector()  # fills the cache with the system prompt's blocks, computed and confirmed
+    engine.submit(greedy_request(tokenizer, SYSTEM + QUESTIONS[0], 4), warm)
+    run_in_steps(engine, [warm])
+    poison = SYSTEM + QUESTIONS[1]
+    fail_steps_that_prefill(engine.runner, poison)
+    failing, neighbour = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 48), neighbour)
+    engine.submit(greedy_request(tokenizer, poison, 4), failing)
+    for _ in range(8):  # not restarted again and again while its neighbour decodes
+        if failing.done:
+            break
+        engine.run_once()
+    assert failing.done and "the kernel rejected this prompt" in errors(failing)[0]
+    assert not neighbour.done
+    run_in_steps(engine, [neighbour])
+    assert neighbour.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 48)
+
+
+def test_an_error_in_handing_on_an_isolated_part_s_tokens_fails_only_that_part(paged_engine, tiny_model):
+    model, tokenizer = tiny_model
+    engine = paged_engine()
+    poison, unlucky = PROMPTS[6], PROMPTS[4]
+    fail_steps_that_prefill(engine.runner, poison)
+    sample = engine.output.sample
+
+    def failing_sample(seqs, *args, **kwargs):
+        if any(s.request.inputs == unlucky for s in seqs):
+            raise ValueError("a logits processor raised")
+        return sample(seqs, *args, **kwargs)
+
+    engine.output.sample = failing_sample
+    sinks = {prompt: Collector() for prompt in (poison, unlucky, PROMPTS[1])}
+    for prompt, sink in sinks.items():
+        engine.submit(greedy_request(tokenizer, prompt, 8), sink)
+    engine.start()
+    try:
+        wait_for(lambda: all(s.done for s in sinks.values()))
+    finally:
+        engine.stop()
+    assert "the kernel rejected this prompt" in errors(sinks[poison])[0]
+    assert "a logits processor raised" in errors(sinks[unlucky])[0]
+    assert not errors(sinks[PROMPTS[1]])
+    assert sinks[PROMPTS[1]].token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 8)
+
+
+def test_on_the_transformers_backend_a_prompt_s_own_failure_is_not_the_engine_s(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True)
+    engine.health.configure(max_failed_steps=1, step_timeout=None)
+    prefill = engine.runner.prefill
+
+    def failing_prefill(seqs, *args, **kwargs):
+        if any(s.request.inputs == PROMPTS[6] for s in seqs):
+            raise RuntimeError("the kernel rejected this prompt")
+        return prefill(seqs, *args, **kwargs)
+
+    engine.runner.prefill = failing_prefill
+    bad, good = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[6], 4), bad)
+    run_in_steps(engine, [bad])
+    assert "the kernel rejected this prompt" in errors(bad)[0] and engine.broken is None
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 4), good)
+    run_in_steps(engine, [good])
+    assert good.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 4)
+
+
+def test_on_the_transformers_backend_a_device_that_fails_decoding_breaks_the_engine(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True)
+    engine.health.configure(max_failed_steps=1, step_timeout=None)
+    running = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 32), running)
+    engine.run_once()
+    engine.run_once()
+    assert len(running.token_ids) == 2
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.runner.decode = engine.runner.prefill = broken  # the probe's prefill fails as the decode did
+    engine.run_once()
+    assert engine.broken is not None and "in a row failed" in engine.broken
+    assert errors(running)

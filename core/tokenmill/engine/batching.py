@@ -33,7 +33,7 @@ class StepPlan:
     """With ``--speculate``: per decoding sequence, the draft tokens fed after its newest (``()``: none drafts)."""
     cached: tuple[int, ...] = ()
     """Per prefilling sequence, the tokens it took from the prefix cache in this step (``()``: none did).
-    Blocks named in this step may be among them: they are computed by this step's forward only."""
+    Blocks named in this step may be among them: only this step's forward computes those."""
 
     @property
     def empty(self) -> bool:
@@ -76,8 +76,6 @@ class Batch:
         """... and of those, the tokens found there."""
         self.speculator: Speculator | None = None
         """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
-        self._cached: dict[int, int] = {}
-        """Per sequence started from the prefix cache in the step being planned: the tokens it took."""
 
     @property
     def queue(self) -> SchedulerQueue:
@@ -98,12 +96,10 @@ class Batch:
         set aside running sequences for waiting ones, then admit and plan this step's prefill."""
         self._make_room_for_decode()
         self._preempt_for_waiting()
-        self._cached = {}
         prefill = self._plan_prefill()
+        seqs, chunks, cached = (tuple(column) for column in zip(*prefill)) if prefill else ((), (), ())
         decode = tuple(self.decoding())
-        chunks = tuple(n for _, n in prefill)
-        cached = tuple(self._cached.get(s.id, 0) for s, _ in prefill) if self._cached else ()
-        return StepPlan(tuple(s for s, _ in prefill), chunks, decode, self._drafts(decode, sum(chunks)), cached)
+        return StepPlan(seqs, chunks, decode, self._drafts(decode, sum(chunks)), cached)
 
     def _drafts(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
         """The speculator's drafts for ``decode``; none when it is off or failed (the step goes on without)."""
@@ -231,8 +227,7 @@ class Batch:
         log.info("preempted sequence %d (%d tokens)", seq.id, seq.total_len)
 
     def restart(self, seq: Sequence) -> None:
-        """Free ``seq``'s KV memory and queue it, first in line, to be computed again from its tokens so
-        far (looked up in the prefix cache again)."""
+        """Free ``seq``'s KV memory and queue it, first in line, to be computed again (from the prefix cache)."""
         self.release([seq])
         self.forget_progress([seq])
         self.scheduler.requeue(seq)
@@ -243,47 +238,45 @@ class Batch:
         for seq in seqs:
             seq.num_computed = 0
 
-    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
-        """This step's prefill work: (sequence, tokens), prompts under way first, then newcomers."""
+    def _plan_prefill(self) -> list[tuple[Sequence, int, int]]:
+        """This step's prefill work, prompts under way first: (sequence, tokens, tokens it took from the cache)."""
         budget = self.prefill_budget
-        plan: list[tuple[Sequence, int]] = []
+        plan: list[tuple[Sequence, int, int]] = []
         for seq in self.prefilling:
             chunk = self._chunk(seq, budget)
             if chunk and self._plan_chunk(seq, chunk):
-                plan.append((seq, chunk))
+                plan.append((seq, chunk, 0))
                 budget -= chunk
         if budget <= 0:
             return plan
         for seq in self.scheduler.admit(self.holding, self.step_budget(budget)):
-            chunk = self._start_prefill(seq, budget)
+            chunk, cached = self._start_prefill(seq, budget)
             if chunk:
                 self.prefilling.append(seq)
-                plan.append((seq, chunk))
+                plan.append((seq, chunk, cached))
                 budget -= chunk
         return plan
 
-    def _start_prefill(self, seq: Sequence, budget: int) -> int:
-        """An admitted sequence's first chunk this step, after what it takes from the prefix cache;
-        0 when it waits for the next step (requeued, first in line) or failed to start."""
+    def _start_prefill(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """An admitted sequence's first chunk this step and the tokens it took from the prefix cache;
+        chunk 0 when it waits for the next step (requeued, first in line) or failed to start."""
         fresh = seq.num_computed == 0  # new, or preempted: it holds no KV memory
         cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
         seq.num_computed += cached
         chunk = self._chunk(seq, budget)
         if chunk and not self.start_sequence(seq):
-            return 0  # it failed, and was told
+            return 0, 0  # it failed, and was told
         if not chunk or not self._plan_chunk(seq, chunk):
             # It must go whole and does not fit what is left, or its KV memory is short: next step.
             seq.num_computed -= cached
             self.scheduler.requeue(seq)
-            return 0
+            return 0, 0
         if self.prefix_caching and fresh:
             if not seq.generated_ids:
                 seq.cached_tokens = cached
             self.prefix_queried_tokens += seq.total_len
             self.prefix_hit_tokens += cached
-            if cached:
-                self._cached[seq.id] = cached
-        return chunk
+        return chunk, cached
 
     def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:
         """Tell a prefix-caching runner the chunk ``seq`` prefills this step; False when its KV memory

@@ -186,10 +186,7 @@ class Engine(BackendSurface):
 
     def _on_broken(self, reason: str) -> None:
         """(Engine or watchdog thread.) Tell every request now: the engine thread may be stuck in a step."""
-        incoming, resets = self.inbox.close()
-        for done in resets:
-            done(0)
-        for seq in self.live.all() + incoming:
+        for seq in self.live.all() + self.inbox.close():
             emit(seq, ErrorEvent(f"the engine is broken: {reason}", "unhealthy"))
         self.inbox.stop()
         if self.broken_observer is not None:
@@ -236,8 +233,7 @@ class Engine(BackendSurface):
         self._published = (tuple(self.batch.scheduler.pending()), tuple(self.batch.prefilling), tuple(self.running))
 
     def _take_inbox(self) -> None:
-        """Queue the new sequences and free the cancelled ones; the prefix-cache resets asked for are
-        answered whatever that raised (the error then reaches the loop's recovery)."""
+        """Queue the new sequences, free the cancelled ones, then answer the prefix-cache resets (whatever raised)."""
         incoming, cancelled, resets = self.inbox.take()
         try:
             for seq in incoming:
@@ -249,16 +245,7 @@ class Engine(BackendSurface):
                 self.batch.scheduler.remove(seq)
             self.release(cancelled)
         finally:
-            for done in resets:
-                done(self._dropped_prefixes())
-
-    def _dropped_prefixes(self) -> int:
-        """:meth:`drop_cached_prefixes`, or 0 when it raised (a reset must always be answered)."""
-        try:
-            return self.drop_cached_prefixes()
-        except Exception:  # noqa: BLE001 - the caller waits for an answer
-            log.exception("resetting the prefix cache failed")
-            return 0
+            self.inbox.answer(resets, self.drop_cached_prefixes)
 
     def _loop(self) -> None:
         try:
@@ -279,9 +266,8 @@ class Engine(BackendSurface):
             self._fail_everything("the server is shutting down" if self.inbox.stopping else "the engine stopped")
 
     def _recover(self) -> None:
-        """After an error no step part caught: fail the batch, forget every KV block (what they hold can
-        no longer be trusted), and have every sequence still waiting (a suspended one kept its KV)
-        computed again from its tokens."""
+        """After an error no step part caught: fail the batch, drop every KV block (none can be trusted), and
+        have every sequence still waiting (a suspended one kept its KV) computed again from its tokens."""
         self.fail(self.batch.holding, "internal error in the engine step")
         self.runner.reset()
         self.batch.running, self.batch.prefilling = [], []
@@ -296,10 +282,7 @@ class Engine(BackendSurface):
         return self.inbox.wait_for_work(bool(self.batch_size), bool(len(self.queue)), idle)
 
     def _fail_everything(self, message: str) -> None:
-        incoming, resets = self.inbox.close()
-        for done in resets:
-            done(0)
-        for seq in self.batch.holding + self.batch.scheduler.drain() + incoming + self.live.all():
+        for seq in self.batch.holding + self.batch.scheduler.drain() + self.inbox.close() + self.live.all():
             emit(seq, ErrorEvent(message, "unhealthy"))
         self.batch.running, self.batch.prefilling = [], []
 
@@ -309,7 +292,6 @@ class Engine(BackendSurface):
         incoming = self.inbox.waiting()
         waiting, prefilling, running = self._published
         now = time.monotonic()
-
         return {"pending": [queue_entry(s, "waiting", now) for s in incoming + list(waiting)],
                 "running": [queue_entry(s, "prefilling", now) for s in prefilling]
                 + [queue_entry(s, "paused" if self.batch.paused(s) else "decoding", now) for s in running]}

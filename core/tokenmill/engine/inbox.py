@@ -3,10 +3,13 @@ prefix-cache resets, behind one lock whose condition also wakes the idle loop.""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 from tokenmill.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 1.0
 """The longest an idle loop sleeps while it holds sequences that wait for their readers."""
@@ -70,13 +73,30 @@ class Inbox:
             resets, self._resets = self._resets, []
         return incoming, list(cancelled.values()), resets
 
-    def close(self) -> tuple[list[Sequence], list[ResetDone]]:
-        """(Engine thread, at its end.) Take no more; the sequences and resets still handed over."""
+    def close(self) -> list[Sequence]:
+        """(Engine thread, at its end.) Take no more; the sequences still handed over (the resets still
+        asked for are told that nothing was dropped)."""
         with self._wake:
             self.closed = True
             incoming, self._incoming = self._incoming, []
             resets, self._resets = self._resets, []
-        return incoming, resets
+        self.answer(resets, lambda: 0)
+        return incoming
+
+    @staticmethod
+    def answer(resets: list[ResetDone], drop: Callable[[], int]) -> None:
+        """(Engine thread.) Drop the cached prefixes once per reset in ``resets`` and tell it how many;
+        0 when dropping raised, since the reset's caller waits for an answer."""
+        for done in resets:
+            try:
+                dropped = drop()
+            except Exception:  # noqa: BLE001 - logged; the reset is still answered
+                log.exception("resetting the prefix cache failed")
+                dropped = 0
+            try:
+                done(dropped)
+            except Exception:  # noqa: BLE001 - one caller's failure leaves the others answered
+                log.exception("answering a prefix-cache reset failed")
 
     def waiting(self) -> list[Sequence]:
         """The sequences handed over and not yet taken."""

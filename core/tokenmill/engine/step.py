@@ -47,7 +47,10 @@ class StepExecution:
             log.exception("handing on the step's tokens failed")
             self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
             return clock.timing(ok=True)
-        return clock.timing(ok=out.prefill_error is None, speculated=speculated)
+        # A prefill the backend failed alone (the transformers runner's own isolation) is the engine's
+        # failure only if the device fails a probe too; decoding rows that ran in the same step show it works.
+        ok = out.prefill_error is None or bool(plan.decode) or self.probe()
+        return clock.timing(ok=ok, speculated=speculated)
 
     def forward(self, plan: StepPlan) -> StepOutput:
         runner = self.batch.runner
@@ -60,30 +63,32 @@ class StepExecution:
         request (its prompt, its prompt logits) fails only that request, and one in verifying drafts
         none. True when some part ran (the step did not fail as a whole), False when none did (each
         part failed its sequences); None when the step cannot be split (nothing was done)."""
-        parts = [StepPlan((seq,), (chunk,), ()) for seq, chunk in zip(plan.prefill, plan.chunks)]
+        cached = plan.cached or (0,) * len(plan.prefill)
+        parts = [(StepPlan((seq,), (chunk,), ()), hit) for seq, chunk, hit in zip(plan.prefill, plan.chunks, cached)]
         if plan.decode:
-            parts.append(StepPlan((), (), plan.decode))  # without drafts: they may be what failed
+            parts.append((StepPlan((), (), plan.decode), 0))  # without drafts: they may be what failed
         if not self.batch.runner.pausable or (len(parts) < 2 and not plan.drafts):
             return None
-        # A sequence that took cached blocks in this step may share ones only the failed forward was to
-        # compute: it starts again from what the cache holds once its part would run.
-        restarted = {seq.id for seq, cached in zip(plan.prefill, plan.cached) if cached}
-        for seq in plan.prefill:
-            if seq.id in restarted:
-                self.batch.restart(seq)
-        parts = [part for part in parts if not (part.prefill and part.prefill[0].id in restarted)]
-        ran = False
-        for part in parts:
-            try:
-                out = self.forward(part)
-            except Exception as error:  # noqa: BLE001 - this part's sequences fail
-                log.error("step part of sequences %s failed: %s: %s",
-                          [s.id for s in part.prefill + part.decode], type(error).__name__, error)
-                self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
-                continue
-            self.sample(part, out)
-            ran = True
+        ran = failed = False
+        for part, hit in parts:  # in the plan's order: a prompt may share blocks only those before it computed
+            if hit and failed:
+                self.batch.restart(part.prefill[0])  # its cached blocks may be ones a failed part was to fill
+            elif self._run_part(part):
+                ran = True
+            else:
+                failed = True
         return ran
+
+    def _run_part(self, part: StepPlan) -> bool:
+        """Run one part of a failed step to its sampled tokens; False when it failed (its sequences were told)."""
+        try:
+            self.sample(part, self.forward(part))
+        except Exception as error:  # noqa: BLE001 - this part's sequences fail
+            log.error("step part of sequences %s failed: %s: %s",
+                      [s.id for s in part.prefill + part.decode], type(error).__name__, error)
+            self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
+            return False
+        return True
 
     def probe(self) -> bool:
         """After a step whose every part failed: whether a made-up one-token prefill runs, that is,
@@ -91,8 +96,7 @@ class StepExecution:
         runner = self.batch.runner
         probe = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
         try:
-            runner.step([probe], [1], [False], [])
-            return True
+            return runner.step([probe], [1], [False], []).prefill_error is None
         except Exception:  # noqa: BLE001 - the engine's failure: counted towards --max-failed-steps
             log.exception("a probe step failed too")
             return False
