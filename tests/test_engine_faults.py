@@ -10,6 +10,7 @@ import time
 import torch
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, wait_for
 
+from tokenmill.engine.queue import WaitingQueue
 from tokenmill.engine.sequence import ErrorEvent
 from tokenmill.engine.stream import CallbackStream
 
@@ -27,7 +28,8 @@ def errors(sink: Collector) -> list[str]:
 
 
 class FaultyQueue:
-    """Wraps a scheduler's queue; each armed call raises once (``admit`` after taking what it chose)."""
+    """Wraps the engine's admission as a hooks 1.x queue; each armed call raises once (``admit`` after taking
+    what it chose)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -52,7 +54,7 @@ class FaultyQueue:
 
     def admit(self, holding, budget):
         if self.greedy:  # everything, whether it fits or not: the engine puts back what does not
-            taken = self.inner.take(list(self.inner.ordered()))
+            taken = self.inner.queue.take(list(self.inner.queue.ordered()))
         else:
             taken = self.inner.admit(holding, budget)
         self._fault("admit")
@@ -282,3 +284,49 @@ def test_an_idle_engine_thread_sleeps_while_every_sequence_waits_for_its_reader(
         assert not waiting.done
     finally:
         engine.stop()
+
+
+class FaultyPolicy(WaitingQueue):
+    """A hooks 2.0 policy (line order) whose armed calls raise once: ``pop`` after taking the sequence off,
+    ``prepend`` without putting it back, ``choose_victim`` before choosing."""
+
+    def __init__(self, limits) -> None:
+        super().__init__(limits)
+        self.armed: set[str] = set()
+
+    def _fault(self, call: str) -> None:
+        if call in self.armed:
+            self.armed.discard(call)
+            raise RuntimeError(f"injected {call} fault")
+
+    def pop(self):
+        seq = super().pop()
+        self._fault("pop")
+        return seq
+
+    def prepend(self, seq) -> None:
+        self._fault("prepend")
+        super().prepend(seq)
+
+    def choose_victim(self, running, waiting, shortage):
+        self._fault("choose_victim")
+        return
+
+
+def test_a_policy_that_raises_loses_no_request_and_the_next_ones_are_served(tiny_model):
+    model, tokenizer = tiny_model
+    engine = build_engine(model, tokenizer, ignore_eos=True, max_batch_prefill_tokens=9)
+    engine.queue = policy = FaultyPolicy(engine.queue.limits)
+    policy.armed |= {"pop", "choose_victim"}
+    running = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 6), running)  # popped as pop raises: orphaned, told
+    engine.run_once()
+    assert running.done and "the scheduler failed" in errors(running)[0]
+    first, second = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 6), first)
+    engine.submit(greedy_request(tokenizer, PROMPTS[1], 6), second)  # waits: choose_victim is asked, and raises
+    policy.armed.add("choose_victim")
+    run_until_done(engine, [first, second])
+    for sink in (first, second):
+        assert sink.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 6)
+    assert len(engine.live) == 0 and engine.queue.faults == 2

@@ -54,10 +54,14 @@ def test_only_the_promised_old_paths_are_kept() -> None:
             importlib.import_module(gone)
 
 
-def test_the_hooks_stay_at_version_1() -> None:
+def test_the_hooks_are_at_version_2_and_plugins_for_hooks_1_still_load() -> None:
     from tokenmill.hookspecs import HOOKS_VERSION
+    from tokenmill.plugin_manager import version_unavailable_reason
 
-    assert HOOKS_VERSION.split(".")[0] == "1"
+    assert HOOKS_VERSION.split(".")[0] == "2"
+    for built_for in ("1.0", "2.0"):
+        assert version_unavailable_reason(type("Plugin", (), {"tokenmill_hooks_version": built_for})) is None
+    assert version_unavailable_reason(type("Plugin", (), {"tokenmill_hooks_version": "2.9"})) is not None
 
 
 def test_a_backend_written_for_hooks_1_0_still_says_why_it_cannot_run_a_model() -> None:

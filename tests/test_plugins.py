@@ -107,23 +107,28 @@ def test_tokenmill_plugins_command_prints_every_implementation(third_party_plugi
 def test_the_example_scheduler_in_hooks_md_registers_and_schedules_shortest_first():
     import types
 
+    from tokenmill.engine.scheduling import Admission
     from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
     from tokenmill.interfaces import BatchLimits, StepBudget
 
     [code] = [block.text for block in fenced_blocks(ROOT / "hooks.md")
               if block.language == "python" and "ShortestFirst" in block.text]
+    assert len(code.strip().splitlines()) <= 45  # a whole third-party policy, at a glance
     module = types.ModuleType("example_scheduler")
     exec(compile(code, "hooks.md", "exec"), module.__dict__)
     pm = build_plugin_manager(autoload=False)
     pm.register(module)
     queue = choose(pm, "scheduler", "shortest-first").create(
         BatchLimits(max_batch_prefill_tokens=30, max_batch_total_tokens=1000, max_batch_size=None))
+    admission = Admission.of(queue)
+    assert type(admission) is Admission  # a hooks 2.0 policy: the engine admits in its order
     seqs = [Sequence(GenerationRequest("", [5] * n, 4, SamplingParams()), lambda event: None, None)
             for n in (20, 3, 9)]
     for seq in seqs:
         queue.add(seq)
-    started = queue.admit([], StepBudget(30, chunked=False, kv_free_tokens=None))
+    started = admission.admit([], StepBudget(30, chunked=False, kv_free_tokens=None))
     assert [s.prompt_len for s in started] == [3, 9] and len(queue) == 1
+    assert admission.pending() == [seqs[0]]
 
 
 # ---- third-party plugins that misbehave ------------------------------------------------------------
@@ -159,7 +164,7 @@ SPF = '''
 def misbehaving_plugins(tmp_path, monkeypatch):
     install_fake(tmp_path, "good", "good_plugin", SPF)
     install_fake(tmp_path, "broken", "broken_import", "import no_such_module_anywhere\n")
-    install_fake(tmp_path, "future", "future_plugin", 'tokenmill_hooks_version = "2.0"\n')
+    install_fake(tmp_path, "future", "future_plugin", 'tokenmill_hooks_version = "3.0"\n')
     install_fake(tmp_path, "stranger", "stranger_plugin", '''
         import tokenmill
 
@@ -187,9 +192,9 @@ def misbehaving_plugins(tmp_path, monkeypatch):
 def test_broken_plugins_are_left_out_with_one_line_each_and_the_rest_keep_working(misbehaving_plugins, caplog):
     pm = build_plugin_manager()
     assert "failed to import: ModuleNotFoundError" in pm.problems["broken"]
-    assert pm.problems["future"] == "it was built for tokenmill hooks 2.0; this tokenmill has hooks 1.0"
+    assert pm.problems["future"] == "it was built for tokenmill hooks 3.0; this tokenmill has hooks 2.0"
     assert "implements tokenmill_frobnicate" in pm.problems["stranger"]
-    assert choose(pm, "scheduler", "quick").name == "quick"  # a good plugin beside them loads
+    assert choose(pm, "scheduler", "quick").name == "quick"  # a good plugin (for hooks 1.0) beside them loads
     assert choose(pm, "scheduler", "fifo").name == "fifo"  # and so do the built-ins
     left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(left_out) == 3
@@ -215,5 +220,5 @@ def test_an_allow_list_loads_only_the_named_plugins(misbehaving_plugins, monkeyp
 def test_tokenmill_plugins_shows_the_broken_ones(misbehaving_plugins):
     out = subprocess.run([sys.executable, "-m", "tokenmill", "plugins"], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(misbehaving_plugins), "PATH": "/usr/bin:/bin"}).stdout
-    assert re.search(r"plugin\s+future\s+broken: it was built for tokenmill hooks 2.0", out), out
+    assert re.search(r"plugin\s+future\s+broken: it was built for tokenmill hooks 3.0", out), out
     assert re.search(r"\bquick\b\s+available", out)

@@ -1,14 +1,25 @@
-"""Schedulers, driven step by step with a fake clock and fake sequences (no model), and on the tiny model."""
+"""Schedulers, driven step by step with a fake clock and fake sequences (no model), and on the tiny model.
+
+A policy is driven as the engine drives it, through :class:`Admission` (admission within the step's
+limits, preemption through the policy's ``choose_victim``)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import pytest
+
 from tokenmill.engine.admission import Room
 from tokenmill.engine.queue import WaitingQueue
+from tokenmill.engine.scheduling import Admission, LegacyAdmission
 from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams, Sequence
 from tokenmill.engine.stream import CallbackStream
 from tokenmill.interfaces import BatchLimits, Preemption, StepBudget
 from tokenmill_plugins.schedulers.fifo import FifoQueue
 from tokenmill_plugins.schedulers.priority import PriorityQueue
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class FakeClock:
@@ -53,7 +64,7 @@ class ByClass(WaitingQueue):
 
 
 def test_a_subclass_supplying_only_an_order_serves_every_call_the_engine_makes():
-    queue = ShortestFirst(limits())
+    queue = Admission.of(ShortestFirst(limits()))
     long, short, middle = fake(30), fake(5), fake(10)
     for seq in (long, short, middle):
         queue.add(seq)
@@ -69,7 +80,7 @@ def test_a_subclass_supplying_only_an_order_serves_every_call_the_engine_makes()
 
 
 def test_the_default_order_is_the_line_requeued_sequences_first_the_latest_requeued_first():
-    queue = WaitingQueue(limits())
+    queue = Admission.of(WaitingQueue(limits()))
     new, older, oldest = fake(5), fake(5), fake(5)
     queue.add(new)
     queue.requeue(older)
@@ -79,7 +90,7 @@ def test_the_default_order_is_the_line_requeued_sequences_first_the_latest_reque
 
 
 def test_requeued_sequences_go_first_among_those_of_equal_key():
-    queue = ByClass(limits())
+    queue = Admission.of(ByClass(limits()))
     low, normal_first, normal_second, high = fake(5, priority="low"), fake(5), fake(5), fake(5, priority="high")
     for seq in (low, normal_first, normal_second, high):
         queue.add(seq)
@@ -91,7 +102,7 @@ def test_requeued_sequences_go_first_among_those_of_equal_key():
 
 
 def test_the_default_admit_never_skips_past_the_first_sequence_that_does_not_fit():
-    queue = WaitingQueue(limits(max_batch_size=3))
+    queue = Admission.of(WaitingQueue(limits(max_batch_size=3)))
     first, too_long, small = fake(60), fake(50), fake(5)
     for seq in (first, too_long, small):
         queue.add(seq)
@@ -123,10 +134,11 @@ def test_fitting_and_take_are_the_parts_of_admit_a_subclass_can_reuse():
 
 
 def test_a_waiting_queue_preempts_nothing_unless_its_subclass_says_how():
-    # The engine asks a queue to preempt only when it has a ``preempt`` method.
-    assert not hasattr(WaitingQueue(limits()), "preempt")
-    assert not hasattr(FifoQueue(limits()), "preempt")
-    assert callable(PriorityQueue(limits()).preempt)
+    # The engine asks a policy for a victim only when it has a ``choose_victim`` method.
+    assert not hasattr(WaitingQueue(limits()), "choose_victim")
+    assert not hasattr(FifoQueue(limits()), "choose_victim")
+    assert callable(PriorityQueue(limits()).choose_victim)
+    assert Admission.of(WaitingQueue(limits())).preempt([fake(5)], budget()) == []
 
 
 def test_removing_a_sequence_that_is_not_waiting_changes_nothing():
@@ -141,12 +153,32 @@ def test_the_built_in_queues_are_waiting_queues():
     assert isinstance(PriorityQueue(limits()), WaitingQueue)
 
 
-def test_a_third_party_waiting_queue_drives_the_engine_to_the_same_tokens(tiny_model):
+def example_queue(path: str) -> type:
+    """The ``ShortestPromptFirstQueue`` class of a scheduler module at ``path`` (under the repository)."""
+    spec = importlib.util.spec_from_file_location(f"scheduler_{Path(path).parent.name}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ShortestPromptFirstQueue
+
+
+THIRD_PARTY_QUEUES = {
+    "WaitingQueue subclass": (lambda: ShortestFirst, Admission),
+    "tokenmill-example (hooks 2.0)": (
+        lambda: example_queue("plugins/packages/tokenmill-example/tokenmill_example/scheduler.py"), Admission),
+    "tokenmill-example as written for hooks 1.0": (
+        lambda: example_queue("tests/hooks1_example_scheduler.py"), LegacyAdmission),
+}
+
+
+@pytest.mark.parametrize("written", sorted(THIRD_PARTY_QUEUES))
+def test_a_third_party_waiting_queue_drives_the_engine_to_the_same_tokens(tiny_model, written):
     from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy
 
     model, tokenizer = tiny_model
     engine = build_engine(model, tokenizer, ignore_eos=True, max_batch_size=1)
-    engine.queue = ShortestFirst(engine.queue.limits)
+    queue_class, admission = THIRD_PARTY_QUEUES[written]
+    engine.queue = queue_class()(engine.queue.limits)
+    assert type(engine.queue) is admission  # a hooks 1.x queue runs through the adapter
     prompts = [PROMPTS[6], PROMPTS[0], PROMPTS[1]]  # longest first: they start shortest first
     collectors = [Collector() for _ in prompts]
     for prompt, collector in zip(prompts, collectors):
@@ -168,7 +200,7 @@ def test_a_third_party_waiting_queue_drives_the_engine_to_the_same_tokens(tiny_m
 
 
 def test_fifo_puts_requeued_sequences_at_the_head_of_the_line():
-    queue = FifoQueue(limits())
+    queue = Admission.of(FifoQueue(limits()))
     queue.add(waiting := fake(5))
     queue.add(preempted := fake(5))
     assert queue.admit([], budget(prefill=5)) == [waiting]
@@ -178,7 +210,7 @@ def test_fifo_puts_requeued_sequences_at_the_head_of_the_line():
 
 
 def test_fifo_admits_in_arrival_order_until_the_first_request_that_does_not_fit():
-    queue = FifoQueue(limits())
+    queue = Admission.of(FifoQueue(limits()))
     first, too_long, small = fake(60), fake(50), fake(5)
     for seq in (first, too_long, small):
         queue.add(seq)
@@ -187,21 +219,21 @@ def test_fifo_admits_in_arrival_order_until_the_first_request_that_does_not_fit(
 
 
 def test_fifo_respects_kv_blocks_batch_size_and_total_tokens():
-    queue = FifoQueue(limits(max_batch_size=2))
+    queue = Admission.of(FifoQueue(limits(max_batch_size=2)))
     seqs = [fake(8) for _ in range(3)]
     for seq in seqs:
         queue.add(seq)
     # 4 free blocks of 4: the first alone needs 2, the second 2 + 1 to grow into: only one fits.
     assert queue.admit([], budget(free_tokens=16, block_size=4)) == seqs[:1]
     assert queue.admit(seqs[:1], budget(free_tokens=64, block_size=4)) == seqs[1:2]  # batch size 2 reached
-    padded = FifoQueue(limits(max_batch_total_tokens=40))
+    padded = Admission.of(FifoQueue(limits(max_batch_total_tokens=40)))
     for seq in (fake(10), fake(10), fake(10)):  # 20 tokens each over their lifetime
         padded.add(seq)
     assert len(padded.admit([], budget())) == 2
 
 
 def test_newcomers_join_a_running_batch_only_when_enough_wait_or_after_max_waiting_tokens_steps():
-    queue = FifoQueue(limits(waiting_served_ratio=0.3, max_waiting_tokens=4))
+    queue = Admission.of(FifoQueue(limits(waiting_served_ratio=0.3, max_waiting_tokens=4)))
     running = [fake(5) for _ in range(10)]  # 0.3 × 10: at least 3 newcomers at once
     queue.add(first := fake(5))
     queue.add(second := fake(5))
@@ -214,7 +246,7 @@ def test_newcomers_join_a_running_batch_only_when_enough_wait_or_after_max_waiti
 
 
 def test_an_idle_engine_admits_at_once_whatever_the_ratio():
-    queue = FifoQueue(limits(waiting_served_ratio=5.0, max_waiting_tokens=1000))
+    queue = Admission.of(FifoQueue(limits(waiting_served_ratio=5.0, max_waiting_tokens=1000)))
     queue.add(seq := fake(5))
     assert queue.admit([], budget()) == [seq]
 
@@ -224,18 +256,18 @@ def test_an_idle_engine_admits_at_once_whatever_the_ratio():
 
 def test_priority_serves_high_then_normal_then_low_and_short_before_long():
     clock = FakeClock()
-    queue = PriorityQueue(limits(), clock)
+    queue = Admission.of(PriorityQueue(limits(), clock))
     low, normal_long, normal_short, high = fake(5, priority="low"), fake(80), fake(5), fake(5, priority="high")
     for seq in (low, normal_long, normal_short, high):
         queue.add(seq)
-    assert queue.ordered() == [high, normal_short, normal_long, low]
+    assert queue.queue.ordered() == [high, normal_short, normal_long, low]
     assert queue.admit([], budget(prefill=20)) == [high, normal_short]  # normal_long is next and does not fit
     assert queue.admit([], budget(prefill=100)) == [normal_long, low]
 
 
 def test_priority_places_a_requeued_sequence_by_its_weight_with_its_original_arrival_time():
     clock = FakeClock()
-    queue = PriorityQueue(limits(), clock)
+    queue = Admission.of(PriorityQueue(limits(), clock))
     queue.add(early := fake(5, at=clock.now))
     clock.now += 5.0
     queue.add(later := fake(5, at=clock.now))
@@ -262,7 +294,7 @@ def run_flood(queue: PriorityQueue, clock: FakeClock, low: Sequence, steps: int)
 
 def test_aging_serves_a_low_request_within_its_bound_under_a_flood_of_high_ones():
     clock = FakeClock()
-    queue = PriorityQueue(limits(max_batch_size=4), clock)
+    queue = Admission.of(PriorityQueue(limits(max_batch_size=4), clock))
     low = fake(90, new_tokens=10, priority="low", at=clock.now)
     # It outranks every high request arriving more than (4000 - 0 + 100 - 20) / 100 = 40.8 s after it;
     # the ~41 that arrived before that go first, one per second.
@@ -272,33 +304,33 @@ def test_aging_serves_a_low_request_within_its_bound_under_a_flood_of_high_ones(
 
 def test_without_aging_the_same_flood_starves_the_low_request():
     clock = FakeClock()
-    queue = PriorityQueue(limits(max_batch_size=4, priority_aging=0.0), clock)
+    queue = Admission.of(PriorityQueue(limits(max_batch_size=4, priority_aging=0.0), clock))
     assert run_flood(queue, clock, fake(90, priority="low", at=clock.now), steps=200) is None
 
 
 def test_a_full_batch_preempts_its_lightest_lower_class_sequence_for_a_higher_one():
     clock = FakeClock()
-    queue = PriorityQueue(limits(max_batch_size=2), clock)
+    queue = Admission.of(PriorityQueue(limits(max_batch_size=2), clock))
     low_long, low_short = fake(50, priority="low"), fake(5, priority="low")
     queue.add(high := fake(5, priority="high"))
     assert queue.preempt([low_short, low_long], budget()) == [Preemption(low_long, keep_kv=True)]
     assert queue.preempt([fake(5, priority="high"), fake(5, priority="high")], budget()) == []  # none lower
-    roomy = PriorityQueue(limits(max_batch_size=3), clock)
+    roomy = Admission.of(PriorityQueue(limits(max_batch_size=3), clock))
     roomy.add(high)
     assert roomy.preempt([low_short, low_long], budget()) == []  # a seat is free: no need
 
 
 def test_lacking_kv_memory_preempts_with_the_memory_freed():
-    queue = PriorityQueue(limits(), FakeClock())
+    queue = Admission.of(PriorityQueue(limits(), FakeClock()))
     queue.add(fake(40, priority="high"))
     running = fake(30, priority="low")
     assert queue.preempt([running], budget(free_tokens=16, block_size=4)) == [Preemption(running, keep_kv=False)]
 
 
 def test_waiting_only_for_this_steps_prefill_budget_preempts_nothing():
-    queue = PriorityQueue(limits(), FakeClock())
+    queue = Admission.of(PriorityQueue(limits(), FakeClock()))
     queue.add(fake(80, priority="high"))
-    assert Room(queue.limits, [], budget(prefill=50)).shortage(queue.waiting[0]) == "prefill"
+    assert Room(queue.limits, [], budget(prefill=50)).shortage(queue.queue.waiting[0]) == "prefill"
     assert queue.preempt([fake(5, priority="low")], budget(prefill=50)) == []
 
 

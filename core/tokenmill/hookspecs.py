@@ -22,11 +22,16 @@ if TYPE_CHECKING:
 
 hookspec = pluggy.HookspecMarker("tokenmill")
 
-HOOKS_VERSION = "1.0"
+HOOKS_VERSION = "2.0"
 """The version of this set of hooks, ``major.minor``: the major grows when a hook changes in a way
 old plugins cannot follow, the minor when hooks are added. A plugin module says which version it
-was built for (``tokenmill_hooks_version = "1.0"``); it loads when the major versions are equal
-and its minor is not newer than this one, and is refused with both versions named otherwise."""
+was built for (``tokenmill_hooks_version = "2.0"``); it loads when the major versions are equal
+and its minor is not newer than this one, or when it was built for hooks 1.x (2.0 changed only the
+scheduler's queue, and a 1.x queue still runs through an adapter), and is refused with both versions
+named otherwise."""
+
+OLDEST_MAJOR = 1
+"""The oldest major version of the hooks whose plugins still load."""
 
 
 @hookspec
@@ -125,37 +130,45 @@ def tokenmill_schedulers() -> list[Scheduler]:
     waiting requests join the running batch at each engine step. Built in: `fifo` (TGI's rules) and
     `priority` (class weight, aging and expected cost, with preemption).
 
-    A scheduler's `create(limits: BatchLimits)` returns the waiting queue
-    (`tokenmill.interfaces.SchedulerQueue`): `add`, `requeue` (for preempted sequences), `remove`,
-    `__len__`, `drain`, `pending()` (for `GET /queue`) and
-    `admit(holding, budget: StepBudget) -> list[Sequence]`.
+    A scheduler is a policy: it decides only the order in which waiting sequences start, and the
+    engine does admission and memory. Its `create(limits: BatchLimits)` returns the waiting queue
+    (`tokenmill.interfaces.SchedulerQueue`, hooks 2.0): `add(seq)`, `prepend(seq)` (a preempted,
+    suspended or not-yet-started sequence, ahead of new ones), `peek()` (the next to start),
+    `pop()`, `remove(seq) -> bool`, `__len__` and `__iter__` (the waiting sequences in the order they
+    start, for `GET /queue`). `tokenmill.engine.queue.WaitingQueue(limits)` implements all of them
+    over a line of sequences; a subclass overrides only `key(seq)` or `ordered()`.
 
-    `admit` is called every engine step with the sequences that hold KV memory and what the step can
-    still take in (prefill tokens, whether prompts may be chunked, free KV positions for a block pool,
-    and `prefix`, where a prefix-caching runner answers how much of a waiting sequence is cached), and
-    returns the waiting sequences to start now. `tokenmill.engine.admission.Room` does the accounting
-    of those limits, counting only the tokens and blocks the prefix cache does not hold, so a
-    scheduler only decides the order; `tokenmill.engine.admission.joins_now` is TGI's rule for when
-    newcomers may join a running batch.
+    Every engine step the engine takes sequences with `peek` and `pop` while they fit the step's
+    limits together (`tokenmill.engine.admission.Room`: prefill tokens, batch size, KV positions,
+    counting only what the prefix cache does not hold), up to the first that does not; none skips
+    ahead of it. A policy with `waits_for_company = True` lets newcomers join a running batch only by
+    TGI's rule (`tokenmill.engine.admission.joins_now`); the engine then puts them back with
+    `prepend`.
 
-    A queue may also define `preempt(running, budget) -> list[Preemption]`: the engine calls it before
-    `admit` and sets aside the sequences it names, requeued to resume later with the same output. With
-    `keep_kv=True` a sequence only gives up its place in the batch (on a backend that can leave rows
-    out of a step); otherwise its KV memory is freed and recomputed.
+    A policy may also define `choose_victim(running, waiting, shortage) -> Preemption | None`: called
+    before admission when sequences hold KV memory, with the next waiting sequence and what it lacks
+    (`"seats"`, `"prefill"`, `"memory"`, or None when it fits). The sequence it names is set aside
+    and requeued to resume later with the same output: with `keep_kv=True` it only gives up its place
+    in the batch (on a backend that can leave rows out of a step); otherwise its KV memory is freed
+    and recomputed.
 
     Each `Sequence` carries its `request` (with `priority`, `max_new_tokens`), `prompt_len`,
     `pending_len` and `arrived_at`.
 
+    Hooks 1.x queues (`requeue`, `drain`, `pending()` and their own `admit(holding, budget)` and
+    `preempt(running, budget)`, without `pop`) still load: the engine calls their `admit` and
+    `preempt` as hooks 1.x did (`tokenmill.engine.scheduling.LegacyAdmission`).
+
     Exceptions: a queue method may raise; the engine never lets that lose a request. After a call
-    that raised, every sequence the engine took in that is neither in the running batch nor in
-    `pending()` (those `admit` took before it raised, one `requeue` dropped) ends with an error
-    (`generation`, 424); the running batch goes on, and the next step calls the queue again. A
-    raising `add` fails the sequence it was given; a raising `remove` leaves a cancelled sequence
-    that the engine skips when it is admitted; a raising `preempt` preempts nothing that step; a
-    raising `drain` at shutdown still gives every sequence its error. Each step with a raising call
-    counts as a failed step towards `--max-failed-steps`, so a queue that raises every step breaks
-    the engine (`/health` 503, exit status 3). Keep `pending()` cheap and exception-free: it is how
-    the engine knows what waits.
+    that raised, every sequence the engine took in that is neither in the running batch nor in the
+    queue's listing (one `pop` or `prepend` dropped) ends with an error (`generation`, 424); the
+    running batch goes on, and the next step calls the queue again. A raising `add` fails the
+    sequence it was given; a raising `remove` leaves a cancelled sequence that the engine skips when
+    it is admitted; a raising `choose_victim` preempts nothing that step; a queue that raises while
+    drained at shutdown still gives every sequence its error. Each step with a raising call counts as
+    a failed step towards `--max-failed-steps`, so a queue that raises every step breaks the engine
+    (`/health` 503, exit status 3). Keep `__iter__` cheap and exception-free: it is how the engine
+    knows what waits.
     """
 
 

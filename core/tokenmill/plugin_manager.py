@@ -143,7 +143,7 @@ def version_unavailable_reason(plugin: object) -> str | None:
     except ValueError:
         return f"its tokenmill_hooks_version {wanted!r} is not major.minor"
     our_major, our_minor = (int(part) for part in ours.split("."))
-    if major != our_major or minor > our_minor:
+    if not (hookspecs.OLDEST_MAJOR <= major < our_major or (major == our_major and minor <= our_minor)):
         return f"it was built for tokenmill hooks {wanted}; this tokenmill has hooks {ours}"
     return None
 

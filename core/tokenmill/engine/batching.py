@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.output import Output
-from tokenmill.engine.scheduling import GuardedQueue
+from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.speculation import Speculator
 from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
@@ -48,15 +48,15 @@ class StepPlan:
 class Batch:
     """The running batch: sequences that decode, and sequences whose prompts prefill in chunks."""
 
-    def __init__(self, runner: BackendRunner, queue: SchedulerQueue, output: Output, prefill_budget: int,
+    def __init__(self, runner: BackendRunner, queue: SchedulerQueue | Admission, output: Output, prefill_budget: int,
                  stream_buffer_tokens: int, release: Release, fail: Fail) -> None:
         self.runner = runner
         self.release = release
         self.fail = fail
         """The engine's own ``release`` and ``fail`` (which an engine-owning backend may extend): every
         sequence the batch ends or frees goes through them."""
-        self.scheduler = GuardedQueue(queue)
-        """Every call into the scheduler plugin, guarded: one that raises never loses a sequence silently."""
+        self.scheduler = Admission.of(queue)
+        """Admission over the scheduler plugin's queue, every call guarded: none loses a sequence silently."""
         self.output = output
         self.prefill_budget = prefill_budget
         self.stream_buffer_tokens = stream_buffer_tokens
@@ -78,13 +78,13 @@ class Batch:
         """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
 
     @property
-    def queue(self) -> SchedulerQueue:
-        """The scheduler plugin's queue (what :attr:`scheduler` guards)."""
-        return self.scheduler.queue
+    def queue(self) -> Admission:
+        """The scheduler plugin's queue as the engine admits from it (:attr:`scheduler`)."""
+        return self.scheduler
 
     @queue.setter
-    def queue(self, queue: SchedulerQueue) -> None:
-        self.scheduler.queue = queue
+    def queue(self, queue: SchedulerQueue | Admission) -> None:
+        self.scheduler = Admission.of(queue, self.scheduler.limits)
 
     @property
     def holding(self) -> list[Sequence]:

@@ -23,6 +23,7 @@ from tokenmill.engine.health import Broken, EngineHealth
 from tokenmill.engine.inbox import Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
 from tokenmill.engine.registry import LiveSequences
+from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent, queue_entry
 from tokenmill.engine.step import StepExecution
 from tokenmill.engine.stream import EventSink, EventStream
@@ -52,7 +53,7 @@ class Engine(BackendSurface):
     events the HTTP side reads stay the same.
     """
 
-    def __init__(self, runner: BackendRunner, queue: SchedulerQueue, tokenizer: Any, eos_ids: set[int],
+    def __init__(self, runner: BackendRunner, queue: SchedulerQueue | Admission, tokenizer: Any, eos_ids: set[int],
                  prefill_budget: int, pm: pluggy.PluginManager | None = None, stream_buffer_tokens: int = 64,
                  watermark: tuple[float, float] = (0.5, 2.0)) -> None:
         self.tokenizer = tokenizer
@@ -211,7 +212,7 @@ class Engine(BackendSurface):
     def end_orphans(self, why: str) -> None:
         """End with an error every live sequence that is neither in the batch nor waiting (after a
         scheduler fault); when the queue cannot say what waits, everything it held is drained."""
-        orphans = self.live.orphans(self.batch.holding, self.queue)
+        orphans = self.live.orphans(self.batch.holding, self.batch.scheduler.knows_pending())
         if orphans is None:
             orphans = [s for s in self.live.all() if s not in self.batch.holding]
             self.batch.scheduler.drain()

@@ -8,13 +8,9 @@ registry for those orphans and ends them with an error, so no request waits fore
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from tokenmill.engine.sequence import Sequence
-from tokenmill.interfaces import SchedulerQueue
-
-log = logging.getLogger(__name__)
 
 
 class LiveSequences:
@@ -39,14 +35,11 @@ class LiveSequences:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def orphans(self, holding: list[Sequence], queue: SchedulerQueue) -> list[Sequence] | None:
-        """The live sequences neither in the batch nor waiting in ``queue``; None when the queue
-        cannot say what it holds (its ``pending`` is missing or raises)."""
+    def orphans(self, holding: list[Sequence], waiting: list[Sequence] | None) -> list[Sequence] | None:
+        """The live sequences neither in the batch (``holding``) nor ``waiting``; None when what waits is
+        unknown (the scheduler's queue could not say)."""
         self.forget_ended(self.all())
-        try:
-            waiting = {id(seq) for seq in queue.pending()}
-        except Exception:  # noqa: BLE001 - a faulty plugin: what waits is unknown
-            log.exception("the scheduler's pending() raised")
+        if waiting is None:
             return None
-        held = {id(seq) for seq in holding}
-        return [seq for seq in self._by_id.values() if id(seq) not in held and id(seq) not in waiting]
+        held = {id(seq) for seq in holding} | {id(seq) for seq in waiting}
+        return [seq for seq in self._by_id.values() if id(seq) not in held]

@@ -14,8 +14,9 @@ import pluggy
 
 from tokenmill.config import Config
 from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
+from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.speculation import STEP_TOKENS, FixedDrafts, Speculator
-from tokenmill.interfaces import BatchLimits, EngineSetup, SchedulerQueue
+from tokenmill.interfaces import BatchLimits, EngineSetup
 from tokenmill.kernels import native as native_kernels
 from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache, load_adapters
@@ -160,11 +161,11 @@ def prefix_caching_unavailable_reason(config: Config, chosen: Chosen, runner: An
     return runner.prefix_caching_unavailable_reason()
 
 
-def new_queue(config: Config, chosen: Chosen, padded: bool) -> SchedulerQueue:
-    """The chosen scheduler's waiting queue, within the resolved limits."""
+def new_queue(config: Config, chosen: Chosen, padded: bool) -> Admission:
+    """The chosen scheduler's waiting queue, within the resolved limits, as the engine admits from it."""
     assert config.max_batch_prefill_tokens and config.max_batch_total_tokens
     assert config.waiting_served_ratio is not None
-    return chosen.scheduler.create(BatchLimits(  # type: ignore[attr-defined]
+    limits = BatchLimits(
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_batch_total_tokens=config.max_batch_total_tokens,
         max_batch_size=config.max_batch_size,
@@ -174,7 +175,8 @@ def new_queue(config: Config, chosen: Chosen, padded: bool) -> SchedulerQueue:
         priority_class_weights=config.class_weights(),
         priority_aging=config.priority_aging,
         priority_cost=config.priority_cost,
-    ))
+    )
+    return Admission.of(chosen.scheduler.create(limits), limits)  # type: ignore[attr-defined]
 
 
 def owned_engine_unavailable_reason(config: Config, chosen: Chosen) -> str | None:
@@ -206,7 +208,7 @@ def start_owned_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     dtype = choice.dtype
     context = getattr(model_config, "max_position_embeddings", None)
 
-    def queue_for(kv_tokens: int) -> SchedulerQueue:
+    def queue_for(kv_tokens: int) -> Admission:
         # The limits settle now; the engine reads them from ``setup.config`` from here on.
         setup.config = setup.config.with_limits(context, mixed_steps=chosen.backend.mixed_steps,  # type: ignore[attr-defined]
                                                 on_cpu=device.type == "cpu", kv_tokens=kv_tokens)

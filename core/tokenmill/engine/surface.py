@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.engine.batching import Batch
 from tokenmill.engine.output import Output
+from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import BackendRunner, SchedulerQueue
 from tokenmill.sampling import SequenceSampler
@@ -27,11 +28,13 @@ class BackendSurface:
         self.batch.runner = runner  # e.g. a runner wrapped after start-up
 
     @property
-    def queue(self) -> SchedulerQueue:
+    def queue(self) -> Admission:
+        """The scheduler plugin's queue as the engine admits from it: ``admit(holding, budget)``,
+        ``requeue``, ``add``, ``remove``, ``pending()``, ``len()``."""
         return self.batch.queue
 
     @queue.setter
-    def queue(self, queue: SchedulerQueue) -> None:
+    def queue(self, queue: SchedulerQueue | Admission) -> None:
         self.batch.queue = queue
 
     @property

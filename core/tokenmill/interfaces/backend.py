@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from tokenmill.engine.sequence import Sequence
     from tokenmill.interfaces.attention import AttentionKernel
     from tokenmill.interfaces.kv import PrefixHit
-    from tokenmill.interfaces.scheduler import SchedulerQueue
 
 
 @dataclass(frozen=True)
@@ -133,9 +132,10 @@ class EngineSetup:
     eos_ids: set[int]
     pm: Any
     """The plugin manager, for the engine's hooks (logits processors)."""
-    new_queue: Callable[[int], SchedulerQueue]
-    """The chosen scheduler's queue for a KV memory of that many positions; call it once, when the
-    engine knows its size (it settles ``--max-batch-total-tokens`` and the other limits)."""
+    new_queue: Callable[[int], Any]
+    """The chosen scheduler's queue for a KV memory of that many positions, as the engine admits from it
+    (:class:`tokenmill.engine.scheduling.Admission`: ``admit(holding, budget)``, ``requeue``, ...); call it
+    once, when the engine knows its size (it settles ``--max-batch-total-tokens`` and the other limits)."""
 
 
 class Backend(Implementation):

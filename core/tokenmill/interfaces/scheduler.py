@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,33 +51,45 @@ class StepBudget:
 
 
 class SchedulerQueue(Protocol):
-    """The waiting queue of one engine. Called from the engine thread only (``__len__`` from anywhere)."""
+    """A scheduling policy (hooks 2.0): the waiting sequences of one engine, in the order they start.
 
-    def add(self, seq: Sequence) -> None: ...
-    def requeue(self, seq: Sequence) -> None:
-        """Put a preempted sequence back, ahead of those that never ran."""
+    The engine does admission and memory (:class:`tokenmill.engine.admission.Admission`): each step
+    it takes sequences with ``peek`` and ``pop`` while they fit the step's limits. Called from the
+    engine thread only (``__len__`` from anywhere).
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """A new sequence waits."""
         ...
 
-    def remove(self, seq: Sequence) -> bool: ...
+    def prepend(self, seq: Sequence) -> None:
+        """A sequence that ran (preempted, suspended) or could not start after all waits again, ahead of
+        those that never ran; it keeps its ``arrived_at``."""
+        ...
+
+    def peek(self) -> Sequence:
+        """The sequence that starts next (the queue is not empty)."""
+        ...
+
+    def pop(self) -> Sequence:
+        """Remove and return the sequence ``peek`` names."""
+        ...
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take a cancelled sequence out; False when it was not waiting."""
+        ...
+
     def __len__(self) -> int: ...
-    def admit(self, holding: list[Sequence], budget: StepBudget) -> list[Sequence]:
-        """The waiting sequences to start prefilling now, removed from the queue.
-        ``holding`` are the sequences that already hold KV memory."""
+    def __iter__(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order they would start (``GET /queue``); the queue is not changed."""
         ...
 
-    def drain(self) -> list[Sequence]:
-        """Remove and return every waiting sequence (at shutdown)."""
-        ...
-
-    def pending(self) -> list[Sequence]:
-        """The waiting sequences in the order they would start (for ``GET /queue``); the queue is not changed."""
-        ...
-
-    # Optional: a queue may also define
-    #     preempt(self, running: list[Sequence], budget: StepBudget) -> list[Preemption]
-    # which the engine calls before ``admit`` each step: the running sequences to set
-    # aside now so that waiting ones can start. They are requeued and resume later with
-    # the same output.
+    # Optional: a policy may also define
+    #     waits_for_company: bool  (True: newcomers join a running batch only by TGI's rule, ``joins_now``)
+    #     choose_victim(self, running: list[Sequence], waiting: Sequence, shortage: str | None) -> Preemption | None
+    # which the engine calls before admitting, when sequences run and ``waiting`` (the next to start)
+    # lacks ``shortage`` ("seats", "prefill" or "memory"; None: it fits): the running sequence to set
+    # aside now, requeued to resume later with the same output.
 
 
 @dataclass(frozen=True)
@@ -91,7 +104,7 @@ class Preemption:
 
 
 class Scheduler(Implementation):
-    """Decides which waiting requests join the running batch."""
+    """Decides the order in which waiting requests join the running batch."""
 
     kind = "scheduler"
 

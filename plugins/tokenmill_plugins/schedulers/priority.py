@@ -6,7 +6,7 @@ Each waiting request has a weight, in units of tokens:
     + ``--priority-aging`` (default 100) × seconds waited
     - ``--priority-cost`` (default 1) × (prompt tokens + ``max_new_tokens``)
 
-Heaviest first, within the step's limits (:class:`tokenmill.engine.admission.Room`); like
+Heaviest first, within the step's limits (the engine's admission); like
 ``fifo`` it never skips past the heaviest request that does not fit, so once a request
 is the heaviest it is the next to start. Every waiting request ages at the same rate,
 so waiting never reorders two requests already in the queue; it lifts old ones above
@@ -28,15 +28,14 @@ import time
 from collections.abc import Callable
 
 import tokenmill
-from tokenmill.engine.admission import Room
 from tokenmill.engine.queue import WaitingQueue
 from tokenmill.engine.sequence import PRIORITY_CLASSES, Sequence
-from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
+from tokenmill.interfaces import BatchLimits, Preemption, Scheduler, SchedulerQueue
 
 
 class PriorityQueue(WaitingQueue):
-    """Heaviest first; ``admit`` is the base class's (start them in that order while they fit).
-    A requeued sequence keeps its arrival time, so its place follows from its weight."""
+    """Heaviest first; the engine starts them in that order while they fit. A requeued sequence keeps
+    its arrival time, so its place follows from its weight."""
 
     def __init__(self, limits: BatchLimits, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(limits)
@@ -54,22 +53,18 @@ class PriorityQueue(WaitingQueue):
         now = self.clock()
         return sorted(self.waiting, key=lambda s: (-self.weight(s, now), s.arrived_at, s.id))
 
-    def preempt(self, running: list[Sequence], budget: StepBudget) -> list[Preemption]:
-        """The lightest running sequence of a lower class than the heaviest waiting one, when
-        that one lacks a seat (it is suspended, keeping its KV memory) or KV memory (its memory
-        is freed); never when it only waits for this step's prefill budget."""
-        if not self.waiting or not running:
-            return []
-        first = self.ordered()[0]
-        shortage = Room(self.limits, running, budget).shortage(first)
+    def choose_victim(self, running: list[Sequence], waiting: Sequence, shortage: str | None) -> Preemption | None:
+        """The lightest running sequence of a lower class than ``waiting`` (the heaviest waiting one), when
+        that one lacks a seat (it is suspended, keeping its KV memory) or KV memory (its memory is
+        freed); never when it only waits for this step's prefill budget."""
         if shortage not in ("seats", "memory"):
-            return []
-        lower = [s for s in running if self.rank[s.request.priority] < self.rank[first.request.priority]]
+            return None
+        lower = [s for s in running if self.rank[s.request.priority] < self.rank[waiting.request.priority]]
         if not lower:
-            return []
+            return None
         now = self.clock()
         victim = min(lower, key=lambda s: (self.weight(s, now), -s.arrived_at))
-        return [Preemption(victim, keep_kv=shortage == "seats")]
+        return Preemption(victim, keep_kv=shortage == "seats")
 
 
 class PriorityScheduler(Scheduler):

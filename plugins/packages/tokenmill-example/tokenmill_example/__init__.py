@@ -19,7 +19,7 @@ from tokenmill.interfaces import Scheduler
 from tokenmill_example.banned import BannedWords
 from tokenmill_example.scheduler import ShortestPromptFirstQueue
 
-tokenmill_hooks_version = "1.0"
+tokenmill_hooks_version = "2.0"
 """The version of tokenmill's hooks this plugin was written for: tokenmill refuses to load it
 into a tokenmill whose hooks it cannot follow, and says so."""
 

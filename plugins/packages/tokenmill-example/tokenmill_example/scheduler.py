@@ -1,14 +1,14 @@
-"""A scheduler queue that starts the waiting request with the shortest prompt first."""
+"""A scheduling policy (tokenmill hooks 2.0) that starts the waiting request with the shortest prompt first."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
-
-from tokenmill.admission import Room
 
 
 class ShortestPromptFirstQueue:
-    """tokenmill's ``SchedulerQueue`` protocol: called from the engine thread only."""
+    """tokenmill's ``SchedulerQueue`` protocol: called from the engine thread only. tokenmill admits the
+    sequences in this order while they fit the step's limits."""
 
     def __init__(self, limits: Any) -> None:
         self.limits = limits
@@ -17,8 +17,16 @@ class ShortestPromptFirstQueue:
     def add(self, seq: Any) -> None:
         self.waiting.append(seq)
 
-    def requeue(self, seq: Any) -> None:  # a preempted sequence competes again by its length
+    def prepend(self, seq: Any) -> None:  # a preempted sequence competes again by its length
         self.waiting.append(seq)
+
+    def peek(self) -> Any:
+        return min(self.waiting, key=lambda s: (s.pending_len, s.arrived_at))
+
+    def pop(self) -> Any:
+        seq = self.peek()
+        self.waiting.remove(seq)
+        return seq
 
     def remove(self, seq: Any) -> bool:
         if seq not in self.waiting:
@@ -29,21 +37,5 @@ class ShortestPromptFirstQueue:
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def pending(self) -> list[Any]:
-        return sorted(self.waiting, key=lambda s: (s.pending_len, s.arrived_at))
-
-    def drain(self) -> list[Any]:
-        drained, self.waiting = self.waiting, []
-        return drained
-
-    def admit(self, holding: list[Any], budget: Any) -> list[Any]:
-        """The shortest waiting sequences that fit the step, until the first that does not."""
-        room, started = Room(self.limits, holding, budget), []
-        for seq in self.pending():
-            if not room.fits(seq):
-                break
-            room.take(seq)
-            started.append(seq)
-        chosen = {id(s) for s in started}
-        self.waiting = [s for s in self.waiting if id(s) not in chosen]
-        return started
+    def __iter__(self) -> Iterator[Any]:
+        return iter(sorted(self.waiting, key=lambda s: (s.pending_len, s.arrived_at)))

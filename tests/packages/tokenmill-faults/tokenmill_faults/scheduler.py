@@ -1,8 +1,10 @@
 """``--scheduler faulty-fifo``: first come, first served under TGI's rules (as the built-in ``fifo``),
 whose queue methods raise when the control file says so.
 
-It is written from tokenmill's public pieces (``WaitingQueue`` keeps the line, ``joins_now`` is
-TGI's rule for joining a running batch), as ``fifo`` is, not by importing that plugin.
+It is a hooks 1.x queue (its own ``admit``, ``requeue``, ``drain`` and ``preempt``), so it also checks that
+such a queue still runs, through tokenmill's adapter. It is written from tokenmill's public pieces
+(``WaitingQueue`` keeps the line, ``joins_now`` is TGI's rule for joining a running batch), not by
+importing the ``fifo`` plugin.
 """
 
 from __future__ import annotations
