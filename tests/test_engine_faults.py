@@ -310,7 +310,6 @@ class FaultyPolicy(WaitingQueue):
 
     def choose_victim(self, running, waiting, shortage):
         self._fault("choose_victim")
-        return
 
 
 def test_a_policy_that_raises_loses_no_request_and_the_next_ones_are_served(tiny_model):
