@@ -46,7 +46,7 @@ def measure(engine: Any, vocab_size: int, batch: int, sequence_length: int, deco
             engine.submit(request, lambda event, finished=finished:
                           finished.append(event) if getattr(event, "final", False) else None)
         timings = [timed(engine.run_once)]
-        assert engine.batch_size == batch and not engine.batch.prefilling, "the prefill did not fit in one step"
+        assert engine.batch_size == batch and not engine.scheduler.prefilling, "the prefill did not fit in one step"
         timings += [timed(engine.run_once) for _ in range(decode_length)]
         if run >= 0:
             prefill_ms.append(timings[0])

@@ -53,7 +53,7 @@ def converse(engine: Any, tokenizer: Any, system: str, conversations: int, turns
         while len(finished) < conversations:
             while ready:
                 ask(ready.pop())
-            steps.step(prefilling=bool(engine.queue_size or engine.batch.prefilling))
+            steps.step(prefilling=bool(engine.queue_size or engine.scheduler.prefilling))
     finally:
         steps.restore()
     return {"wall_s": time.perf_counter() - started, "prefill": steps.prefill, "decode": steps.decode,
@@ -88,7 +88,7 @@ def main() -> None:
     prefill, decode = result["prefill"], result["decode"]
     print(f"{result['wall_s']:.2f} s: {len(prefill)} steps that prefill took {sum(prefill):.2f} s; {len(decode)} "
           f"decode steps took {sum(decode):.2f} s, median {1000 * statistics.median(decode):.1f} ms; prefix cache: "
-          f"{engine.batch.prefix_hit_tokens} of {engine.batch.prefix_queried_tokens} prompt tokens found")
+          f"{engine.scheduler.prefix_hit_tokens} of {engine.scheduler.prefix_queried_tokens} prompt tokens found")
     if result["decode_phases_ms"]:
         print("decode steps, medians (ms): " + ", ".join(f"{name} {ms:.2f}"
                                                         for name, ms in result["decode_phases_ms"].items()))

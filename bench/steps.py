@@ -57,7 +57,7 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
     try:
         while len(finished) < total:
             in_flight = min(concurrency, total - len(finished))
-            prefilling = bool(engine.queue_size or engine.batch.prefilling) or engine.batch_size < in_flight
+            prefilling = bool(engine.queue_size or engine.scheduler.prefilling) or engine.batch_size < in_flight
             times = steps.prefill if prefilling else steps.decode
             if profile == ("prefill" if prefilling else "decode") and len(times) == 2:
                 times.append(profiled(engine.run_once))

@@ -368,7 +368,7 @@ def test_the_engine_side_multiturn_load_splits_its_steps(tiny_model_dir: Path) -
                            build_plugin_manager(autoload=False), Stages())
     result = multiturn_steps.converse(started.engine, started.loaded.tokenizer, "You are a tiny model. " * 8, 3, 2, 4)
     assert result["prefill"] and result["decode"] and "prefix" in result["decode_phases_ms"]
-    assert started.engine.batch.prefix_hit_tokens > 0 and started.engine.batch_size == 0
+    assert started.engine.scheduler.prefix_hit_tokens > 0 and started.engine.batch_size == 0
 
 
 # ---- the coldstart scenario's pure pieces --------------------------------------------------

@@ -106,7 +106,7 @@ def test_sequences_an_admit_fault_took_get_an_error_and_the_next_ones_are_served
         engine.submit(greedy_request(tokenizer, PROMPTS[1], 4), sink)
     engine.run_once()
     assert all(s.done and "the scheduler failed" in errors(s)[0] for s in taken)
-    assert len(engine.live) == 0
+    assert len(engine.scheduler.live) == 0
     after = Collector()
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 4), after)
     run_until_done(engine, [after])
@@ -328,4 +328,4 @@ def test_a_policy_that_raises_loses_no_request_and_the_next_ones_are_served(tiny
     run_until_done(engine, [first, second])
     for sink in (first, second):
         assert sink.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 6)
-    assert len(engine.live) == 0 and engine.queue.faults == 2
+    assert len(engine.scheduler.live) == 0 and engine.queue.faults == 2

@@ -112,7 +112,7 @@ def test_an_error_in_verifying_drafts_fails_only_the_sequence_it_belongs_to(page
 
     model, tokenizer = tiny_model
     engine = paged_engine()
-    engine.batch.speculator = Fixed(3, step_tokens=64)
+    engine.scheduler.speculator = Fixed(3, step_tokens=64)
     rollback = engine.runner.rollback
     victim_prompt = PROMPTS[6]
 

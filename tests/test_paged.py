@@ -35,7 +35,7 @@ def run(engine, requests) -> tuple[list[Collector], dict[str, int]]:
         engine.run_once()
         seen["steps"] += 1
         seen["max_batch"] = max(seen["max_batch"], engine.batch_size)
-        seen["max_prefilling"] = max(seen["max_prefilling"], len(engine.batch.prefilling))
+        seen["max_prefilling"] = max(seen["max_prefilling"], len(engine.scheduler.prefilling))
     return sinks, seen
 
 

@@ -206,7 +206,8 @@ def test_a_repeated_prompt_takes_its_blocks_from_the_cache_and_generates_the_sam
     reusable = (prompt_len - 1) // 16 * 16  # whole blocks, the last token always computed
     assert [s.final.cached_tokens for s in cached] == [0, reusable, reusable]
     assert [s.final.cached_tokens for s in plain] == [0, 0, 0]
-    assert engine.batch.prefix_queried_tokens == 3 * prompt_len and engine.batch.prefix_hit_tokens == 2 * reusable
+    scheduler = engine.scheduler
+    assert scheduler.prefix_queried_tokens == 3 * prompt_len and scheduler.prefix_hit_tokens == 2 * reusable
     assert_pool_at_rest(engine)
 
 
@@ -307,8 +308,8 @@ def test_preempted_sequences_resume_from_what_is_still_cached(fresh_model, tiny_
     for prompt, sink in zip(prompts, cached):
         assert sink.token_ids == reference_greedy(model, tokenizer, prompt, 40)
     queried_once = sum(len(r.input_ids) for r in requests)
-    assert engine.batch.prefix_queried_tokens > queried_once  # the preempted ones were looked up again ...
-    assert engine.batch.prefix_hit_tokens > sum(s.final.cached_tokens for s in cached)  # ... and found blocks
+    assert engine.scheduler.prefix_queried_tokens > queried_once  # the preempted ones were looked up again ...
+    assert engine.scheduler.prefix_hit_tokens > sum(s.final.cached_tokens for s in cached)  # ... and found blocks
     assert_pool_at_rest(engine)
 
 

@@ -59,7 +59,7 @@ def run(model: Any, tokenizer: Any, requests: list[GenerationRequest], speculato
     """Every request submitted at once, run to its end on a paged engine with the prefix cache."""
     engine = build_engine(model, tokenizer, backend="paged", ignore_eos=limits.pop("ignore_eos", True),
                           prefix_caching=True, **limits)
-    engine.batch.speculator = speculator
+    engine.scheduler.speculator = speculator
     if compiled:
         engine.runner.compile_forward()
     sinks = [Collector() for _ in requests]
@@ -78,7 +78,7 @@ def run(model: Any, tokenizer: Any, requests: list[GenerationRequest], speculato
 def assert_only_kept_tokens_hold_kv(engine: Any) -> None:
     """Each decoding sequence holds the blocks of the tokens it kept, and zeros after them."""
     pool = engine.runner.pool
-    for seq in engine.batch.running:
+    for seq in engine.scheduler.running:
         table = pool.blocks_of(seq.id)
         assert len(table) == blocks_for(seq.num_computed, pool.block_size), seq
         offset = seq.num_computed % pool.block_size
@@ -304,7 +304,7 @@ def test_a_sequence_cancelled_while_its_draft_is_verified_leaves_the_cached_bloc
 
     engine = build_engine(fresh_model(), tokenizer, backend="paged", ignore_eos=True, prefix_caching=True,
                           block_size=block_size)
-    engine.batch.speculator = CancelsAtSix(reference_of([first], plain))
+    engine.scheduler.speculator = CancelsAtSix(reference_of([first], plain))
     cancelled = Collector()
     engine.submit(first, cancelled)
     for _ in range(50):

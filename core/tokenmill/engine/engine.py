@@ -18,11 +18,10 @@ from typing import Any
 import pluggy
 import torch
 
-from tokenmill.engine.batching import Batch
 from tokenmill.engine.health import Broken, EngineHealth
 from tokenmill.engine.inbox import Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
-from tokenmill.engine.registry import LiveSequences
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent, queue_entry
 from tokenmill.engine.step import StepExecution
@@ -58,13 +57,11 @@ class Engine(BackendSurface):
                  watermark: tuple[float, float] = (0.5, 2.0)) -> None:
         self.tokenizer = tokenizer
         self.output = Output(tokenizer, eos_ids, pm, watermark)
-        self.batch = Batch(runner, queue, self.output, prefill_budget, stream_buffer_tokens, self.release, self.fail)
-        self.execution = StepExecution(self.batch, self.output, self.release, self.fail)
+        self.scheduler = Scheduler(runner, queue, self.output, prefill_budget, stream_buffer_tokens)
+        self.execution = StepExecution(self.scheduler)
         self.step_observer: Callable[[StepTiming], None] | None = None
         """Told about every step that runs the model (the server sets its metrics here after warm-up)."""
         self.inbox = Inbox()
-        self.live = LiveSequences()
-        """Every sequence taken in and not yet ended, whatever the scheduler plugin did with it."""
         self.health = EngineHealth(self._on_broken)
         """Consecutive failed steps and the step watchdog (``--max-failed-steps``, ``--step-timeout``)."""
         self.broken_observer: Broken | None = None
@@ -115,7 +112,7 @@ class Engine(BackendSurface):
     def drop_cached_prefixes(self) -> int:
         """(Engine thread.) What :meth:`reset_prefix_cache` does; an engine-owning backend's engine
         overrides it to reset its own cache."""
-        return self.runner.reset_prefix_cache() if self.batch.prefix_caching else 0
+        return self.runner.reset_prefix_cache() if self.scheduler.prefix_caching else 0
 
     @property
     def queue_size(self) -> int:
@@ -123,7 +120,7 @@ class Engine(BackendSurface):
 
     @property
     def batch_size(self) -> int:
-        return len(self.batch.running) + len(self.batch.prefilling)
+        return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
     @property
     def healthy(self) -> bool:
@@ -165,8 +162,7 @@ class Engine(BackendSurface):
 
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""
-        self.batch.forget(seqs)
-        self.live.forget_ended(seqs)
+        self.scheduler.release(seqs)
 
     def fail(self, seqs: list[Sequence], message: str) -> None:
         """End ``seqs`` with an error event, and release them."""
@@ -187,7 +183,7 @@ class Engine(BackendSurface):
 
     def _on_broken(self, reason: str) -> None:
         """(Engine or watchdog thread.) Tell every request now: the engine thread may be stuck in a step."""
-        for seq in self.live.all() + self.inbox.close():
+        for seq in self.scheduler.live.all() + self.inbox.close():
             emit(seq, ErrorEvent(f"the engine is broken: {reason}", "unhealthy"))
         self.inbox.stop()
         if self.broken_observer is not None:
@@ -196,9 +192,9 @@ class Engine(BackendSurface):
     def step(self) -> None:
         """One engine step: plan it, run it in one backend call, sample and emit its tokens. A
         sequence whose prompt completes samples its first token now and decodes from the next step."""
-        plan = self.batch.plan()
-        faulted = self.batch.scheduler.faults != self._faults_seen  # since the last step, queueing included
-        self._faults_seen = self.batch.scheduler.faults
+        plan = self.scheduler.schedule()
+        faulted = self.scheduler.waiting.faults != self._faults_seen  # since the last step, queueing included
+        self._faults_seen = self.scheduler.waiting.faults
         if faulted:
             self.end_orphans("the scheduler failed")
         self._idle = plan.empty and bool(self.batch_size or len(self.queue))
@@ -212,10 +208,10 @@ class Engine(BackendSurface):
     def end_orphans(self, why: str) -> None:
         """End with an error every live sequence that is neither in the batch nor waiting (after a
         scheduler fault); when the queue cannot say what waits, everything it held is drained."""
-        orphans = self.live.orphans(self.batch.holding, self.batch.scheduler.knows_pending())
+        orphans = self.scheduler.live.orphans(self.scheduler.holding, self.scheduler.waiting.knows_pending())
         if orphans is None:
-            orphans = [s for s in self.live.all() if s not in self.batch.holding]
-            self.batch.scheduler.drain()
+            orphans = [s for s in self.scheduler.live.all() if s not in self.scheduler.holding]
+            self.scheduler.waiting.drain()
         if orphans:
             log.error("%s: ending %d sequences it dropped", why, len(orphans))
             self.fail(orphans, f"{why}; the request could not be scheduled")
@@ -226,12 +222,13 @@ class Engine(BackendSurface):
         try:
             self._take_inbox()
             if self.stream_idle_timeout is not None:
-                idle = self.batch.idle_readers(self.stream_idle_timeout)
+                idle = self.scheduler.idle_readers(self.stream_idle_timeout)
                 self.fail(idle, f"the client read nothing for {self.stream_idle_timeout:g} s (--stream-idle-timeout)")
             self.step()
         finally:
             self.health.step_done()
-        self._published = (tuple(self.batch.scheduler.pending()), tuple(self.batch.prefilling), tuple(self.running))
+        scheduler = self.scheduler
+        self._published = (tuple(scheduler.waiting.pending()), tuple(scheduler.prefilling), tuple(scheduler.running))
 
     def _take_inbox(self) -> None:
         """Queue the new sequences, free the cancelled ones, then answer the prefix-cache resets (whatever raised)."""
@@ -239,11 +236,11 @@ class Engine(BackendSurface):
         try:
             for seq in incoming:
                 if not seq.cancelled:
-                    self.live.add(seq)
-                    if not self.batch.scheduler.add(seq):
+                    self.scheduler.live.add(seq)
+                    if not self.scheduler.waiting.add(seq):
                         self.fail([seq], "the scheduler failed; the request could not be queued")
             for seq in cancelled:  # waiting or running: its KV memory is freed now
-                self.batch.scheduler.remove(seq)
+                self.scheduler.waiting.remove(seq)
             self.release(cancelled)
         finally:
             self.inbox.answer(resets, self.drop_cached_prefixes)
@@ -269,23 +266,24 @@ class Engine(BackendSurface):
     def _recover(self) -> None:
         """After an error no step part caught: fail the batch, drop every KV block (none can be trusted), and
         have every sequence still waiting (a suspended one kept its KV) computed again from its tokens."""
-        self.fail(self.batch.holding, "internal error in the engine step")
+        self.fail(self.scheduler.holding, "internal error in the engine step")
         self.runner.reset()
-        self.batch.running, self.batch.prefilling = [], []
-        self.batch.forget_progress(self.live.all())
+        self.scheduler.running, self.scheduler.prefilling = [], []
+        self.scheduler.forget_progress(self.scheduler.live.all())
         self.end_orphans("the engine step failed")
         self.health.step_ended(ok=False)
 
     def _wait_for_work(self) -> bool:
-        batch = self.batch
-        idle = self._idle or (bool(batch.running) and not batch.prefilling and not len(self.queue)
-                              and not batch.decoding())
+        scheduler = self.scheduler
+        idle = self._idle or (bool(scheduler.running) and not scheduler.prefilling and not len(self.queue)
+                              and not scheduler.decoding())
         return self.inbox.wait_for_work(bool(self.batch_size), bool(len(self.queue)), idle)
 
     def _fail_everything(self, message: str) -> None:
-        for seq in self.batch.holding + self.batch.scheduler.drain() + self.inbox.close() + self.live.all():
+        scheduler = self.scheduler
+        for seq in scheduler.holding + scheduler.waiting.drain() + self.inbox.close() + scheduler.live.all():
             emit(seq, ErrorEvent(message, "unhealthy"))
-        self.batch.running, self.batch.prefilling = [], []
+        self.scheduler.running, self.scheduler.prefilling = [], []
 
     def queue_view(self) -> dict[str, list[dict[str, Any]]]:
         """Pending and running sequences as of the last step (requests handed over since then
@@ -295,4 +293,4 @@ class Engine(BackendSurface):
         now = time.monotonic()
         return {"pending": [queue_entry(s, "waiting", now) for s in incoming + list(waiting)],
                 "running": [queue_entry(s, "prefilling", now) for s in prefilling]
-                + [queue_entry(s, "paused" if self.batch.paused(s) else "decoding", now) for s in running]}
+                + [queue_entry(s, "paused" if self.scheduler.paused(s) else "decoding", now) for s in running]}

@@ -171,7 +171,6 @@ class Output:
         True when the sequence has finished (its final event is sent; the caller releases it)."""
         state: SequenceState = seq.state
         seq.generated_ids.append(token_id)
-        seq.num_computed = seq.total_len - 1  # every token but the newest is in the KV cache
         special = token_id in self.special_ids
         text = state.detokenizer.push(token_id)
         if special:

@@ -136,7 +136,8 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
                     config.max_batch_prefill_tokens, pm, stream_buffer_tokens=config.stream_buffer_tokens,
                     watermark=(config.watermark_gamma, config.watermark_delta))
     if config.speculate:
-        engine.batch.speculator = Speculator(config.speculate, STEP_TOKENS.get(loaded.device.type, STEP_TOKENS["cuda"]))
+        step_tokens = STEP_TOKENS.get(loaded.device.type, STEP_TOKENS["cuda"])
+        engine.scheduler.speculator = Speculator(config.speculate, step_tokens)
         log.info("speculation is on: up to %d n-gram draft tokens per sequence and step", config.speculate)
     vocab_size = loaded.model.get_input_embeddings().num_embeddings
     warm_up(engine, config, stages, min(vocab_size, len(loaded.tokenizer)),
@@ -235,16 +236,16 @@ def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int
     (where the forward is compiled, its first steps compile it)."""
     assert config.max_input_tokens and config.max_batch_prefill_tokens
     prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
-    speculator = engine.batch.speculator
+    speculator = engine.scheduler.speculator
     if speculator is None:
         stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below), detail=detail)
         return
     # Made-up drafts, and a third token (a decode step with room for a draft): the warm-up verifies one too.
-    engine.batch.speculator = FixedDrafts(speculator.tokens, speculator.step_tokens)
+    engine.scheduler.speculator = FixedDrafts(speculator.tokens, speculator.step_tokens)
     try:
         stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below, new_tokens=3), detail=detail)
     finally:
-        engine.batch.speculator = speculator
+        engine.scheduler.speculator = speculator
 
 
 def watch(engine: Engine, config: Config) -> None:

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from tokenmill.engine.batching import Batch, Fail, Release, StepPlan
-from tokenmill.engine.output import Output
+from tokenmill.engine.scheduler import Scheduler, StepPlan
 from tokenmill.engine.sequence import GenerationRequest, Sequence
-from tokenmill.engine.speculation import Speculator
-from tokenmill.engine.timing import Speculated, StepClock, StepTiming
+from tokenmill.engine.timing import StepClock, StepTiming
 from tokenmill.interfaces import StepOutput
 from tokenmill.sampling import SamplingParams
 
@@ -22,12 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class StepExecution:
-    def __init__(self, batch: Batch, output: Output, release: Release, fail: Fail) -> None:
-        self.batch = batch
-        self.output = output
-        self.release = release
-        self.fail = fail
-        """The engine's own ``release`` and ``fail``, as the batch has them."""
+    """Runs the forward of a planned step and hands its output to the scheduler's update."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
 
     def run(self, plan: StepPlan) -> StepTiming:
         """Run ``plan`` (not empty) to its sampled tokens; its timing says whether it failed."""
@@ -38,14 +32,15 @@ class StepExecution:
             log.exception("engine step failed")
             isolated = self.isolate(plan)
             if isolated is None:
-                self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
+                message = f"generation failed: {type(error).__name__}: {error}"
+                self.scheduler.fail(list(plan.prefill + plan.decode), message)
             return clock.timing(ok=bool(isolated) or self.probe())
         clock.forwarded()
         try:
-            speculated = self.sample(plan, out)
+            speculated = self.scheduler.update_from_output(plan, out)
         except Exception as error:  # noqa: BLE001 - the forward ran: only this step's sequences fail
             log.exception("handing on the step's tokens failed")
-            self.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
+            self.scheduler.fail(list(plan.prefill + plan.decode), f"generation failed: {type(error).__name__}: {error}")
             return clock.timing(ok=True)
         # A prefill the backend failed alone (the transformers runner's own isolation) is the engine's
         # failure only if the device fails a probe too; decoding rows that ran in the same step show it works.
@@ -53,7 +48,7 @@ class StepExecution:
         return clock.timing(ok=ok, speculated=speculated)
 
     def forward(self, plan: StepPlan) -> StepOutput:
-        runner = self.batch.runner
+        runner = self.scheduler.runner
         args = (list(plan.prefill), list(plan.chunks), [s.wants_prompt_logits for s in plan.prefill], list(plan.decode))
         return runner.step(*args, drafts=list(plan.drafts)) if plan.drafts else runner.step(*args)
 
@@ -67,12 +62,12 @@ class StepExecution:
         parts = [(StepPlan((seq,), (chunk,), ()), hit) for seq, chunk, hit in zip(plan.prefill, plan.chunks, cached)]
         if plan.decode:
             parts.append((StepPlan((), (), plan.decode), 0))  # without drafts: they may be what failed
-        if not self.batch.runner.pausable or (len(parts) < 2 and not plan.drafts):
+        if not self.scheduler.runner.pausable or (len(parts) < 2 and not plan.drafts):
             return None
         ran = failed = False
         for part, hit in parts:  # in the plan's order: a prompt may share blocks only those before it computed
             if hit and failed:
-                self.batch.restart(part.prefill[0])  # its cached blocks may be ones a failed part was to fill
+                self.scheduler.restart(part.prefill[0])  # its cached blocks may be ones a failed part was to fill
             elif self._run_part(part):
                 ran = True
             else:
@@ -82,18 +77,18 @@ class StepExecution:
     def _run_part(self, part: StepPlan) -> bool:
         """Run one part of a failed step to its sampled tokens; False when it failed (its sequences were told)."""
         try:
-            self.sample(part, self.forward(part))
+            self.scheduler.update_from_output(part, self.forward(part))
         except Exception as error:  # noqa: BLE001 - this part's sequences fail
             log.error("step part of sequences %s failed: %s: %s",
                       [s.id for s in part.prefill + part.decode], type(error).__name__, error)
-            self.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
+            self.scheduler.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
             return False
         return True
 
     def probe(self) -> bool:
         """After a step whose every part failed: whether a made-up one-token prefill runs, that is,
         whether the failure was its requests' own and the engine can still serve."""
-        runner = self.batch.runner
+        runner = self.scheduler.runner
         probe = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
         try:
             return runner.step([probe], [1], [False], []).prefill_error is None
@@ -102,49 +97,3 @@ class StepExecution:
             return False
         finally:
             runner.release([probe])
-
-    def sample(self, plan: StepPlan, out: StepOutput) -> Speculated | None:
-        """Sample the step's tokens from its logits and hand them to their sequences; with drafts, what
-        speculation gave."""
-        speculated = None
-        if plan.decode:
-            assert out.decode_logits is not None
-            if plan.drafts and out.draft_logits is not None:
-                speculated = self.verify(plan, out.decode_logits, out.draft_logits)
-            else:
-                self.release(self.output.sample(list(plan.decode), out.decode_logits))
-        if out.prefill_error is not None:
-            error = out.prefill_error
-            log.error("prefill failed: %s: %s", type(error).__name__, error)
-            self.fail(list(plan.prefill), f"prefill failed: {type(error).__name__}: {error}")
-        elif plan.prefill:
-            assert out.prefill is not None
-            done, rows = self.batch.prefilled(plan, out.prefill)
-            if done:
-                self.release(self.output.sample(done, out.prefill.last_logits[rows]))
-        return speculated
-
-    def verify(self, plan: StepPlan, logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> Speculated:
-        """Choose the decoding sequences' tokens through their drafts, then drop the KV of rejected drafts."""
-        decode = list(plan.decode)
-        fed = [plan.drafts[row][: len(rows)] for row, rows in enumerate(draft_logits)]
-        before = [len(seq.generated_ids) for seq in decode]
-        finished = self.output.sample(decode, logits, fed, draft_logits)
-        produced = [len(seq.generated_ids) - n for seq, n in zip(decode, before)]
-        for seq, draft, count in zip(decode, fed, produced):
-            if draft:
-                Speculator.observe(seq, count)
-        self._rollback([seq for seq, draft in zip(decode, fed) if draft])  # before those that ended go
-        self.release(finished)
-        skipped = tuple(max(0, count - 1) for draft, count in zip(fed, produced) if draft)
-        return Speculated(sum(len(d) for d in fed), sum(skipped), skipped)
-
-    def _rollback(self, seqs: list[Sequence]) -> None:
-        """Drop the KV of the drafts ``seqs`` rejected, one sequence at a time, so that a failure fails
-        its own sequence (and a rollback half done is never done twice)."""
-        for seq in seqs:
-            try:
-                self.batch.runner.rollback([seq])
-            except Exception as error:  # noqa: BLE001 - one request's failure stays its own
-                log.exception("rolling back the draft of sequence %d failed", seq.id)
-                self.fail([seq], f"generation failed: {type(error).__name__}: {error}")

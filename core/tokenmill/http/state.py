@@ -222,7 +222,7 @@ class ServerState:
         engine = self.engine
         if engine is None:
             return {}
-        view = engine.queue_view()
+        view, scheduler = engine.queue_view(), engine.scheduler
         return {
             "queue_size": engine.queue_size,
             "batch_size": engine.batch_size,
@@ -234,8 +234,8 @@ class ServerState:
             "lora": self.adapters.usage() if self.adapters is not None else None,
             "preemptions": engine.preemptions,
             "suspensions": engine.suspensions,
-            "prefix_cache": {"queried_tokens": engine.batch.prefix_queried_tokens,
-                             "hit_tokens": engine.batch.prefix_hit_tokens} if engine.batch.prefix_caching else None,
+            "prefix_cache": {"queried_tokens": scheduler.prefix_queried_tokens,
+                             "hit_tokens": scheduler.prefix_hit_tokens} if scheduler.prefix_caching else None,
             "max_batch_total_tokens": self.config.max_batch_total_tokens,
             "adapters_running": {entry["adapter_id"] for entry in view["running"] if entry["adapter_id"]},
             "adapters_waiting": {entry["adapter_id"] for entry in view["pending"] if entry["adapter_id"]},

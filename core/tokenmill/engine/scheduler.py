@@ -1,24 +1,26 @@
-"""Batching: who runs in the next step. The one place that asks the scheduler plugin, for
-admission and for preemption, and that keeps the step within KV memory and the prefill budget."""
+"""The engine's scheduler: :meth:`Scheduler.schedule` plans who runs in the next step (admission and
+preemption in the scheduler plugin's order, within KV memory and the prefill budget), and
+:meth:`Scheduler.update_from_output` takes the step's output: it is the one place that advances a
+sequence's progress (``num_computed``) and finishes, fails or frees it."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.output import Output
+import torch
+
+from tokenmill.engine.output import Output, emit
+from tokenmill.engine.registry import LiveSequences
 from tokenmill.engine.scheduling import Admission
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import ErrorEvent, Sequence
 from tokenmill.engine.speculation import Speculator
-from tokenmill.interfaces import BackendRunner, PrefillOutput, SchedulerQueue, StepBudget
+from tokenmill.engine.timing import Speculated
+from tokenmill.interfaces import BackendRunner, SchedulerQueue, StepBudget, StepOutput
 
 log = logging.getLogger(__name__)
-
-Release = Callable[[list[Sequence]], None]
-Fail = Callable[[list[Sequence], str], None]
 
 
 @dataclass(frozen=True)
@@ -45,18 +47,17 @@ class StepPlan:
         return "prefill" if self.prefill else "decode"
 
 
-class Batch:
-    """The running batch: sequences that decode, and sequences whose prompts prefill in chunks."""
+class Scheduler:
+    """The running batch (sequences that decode, and sequences whose prompts prefill in chunks), what
+    waits, and every sequence taken in and not yet ended."""
 
     def __init__(self, runner: BackendRunner, queue: SchedulerQueue | Admission, output: Output, prefill_budget: int,
-                 stream_buffer_tokens: int, release: Release, fail: Fail) -> None:
+                 stream_buffer_tokens: int) -> None:
         self.runner = runner
-        self.release = release
-        self.fail = fail
-        """The engine's own ``release`` and ``fail`` (which an engine-owning backend may extend): every
-        sequence the batch ends or frees goes through them."""
-        self.scheduler = Admission.of(queue)
+        self.waiting = Admission.of(queue)
         """Admission over the scheduler plugin's queue, every call guarded: none loses a sequence silently."""
+        self.live = LiveSequences()
+        """Every sequence taken in and not yet ended, wherever it is."""
         self.output = output
         self.prefill_budget = prefill_budget
         self.stream_buffer_tokens = stream_buffer_tokens
@@ -79,19 +80,19 @@ class Batch:
 
     @property
     def queue(self) -> Admission:
-        """The scheduler plugin's queue as the engine admits from it (:attr:`scheduler`)."""
-        return self.scheduler
+        """The scheduler plugin's queue as the engine admits from it (:attr:`waiting`)."""
+        return self.waiting
 
     @queue.setter
     def queue(self, queue: SchedulerQueue | Admission) -> None:
-        self.scheduler = Admission.of(queue, self.scheduler.limits)
+        self.waiting = Admission.of(queue, self.waiting.limits)
 
     @property
     def holding(self) -> list[Sequence]:
         """The sequences that hold KV memory."""
         return self.running + self.prefilling
 
-    def plan(self) -> StepPlan:
+    def schedule(self) -> StepPlan:
         """The next step: make room for every decoding sequence's next token, let the scheduler
         set aside running sequences for waiting ones, then admit and plan this step's prefill."""
         self._make_room_for_decode()
@@ -139,11 +140,65 @@ class Batch:
         return StepBudget(tokens, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
                           self.runner.kv_block_size, self.runner if self.prefix_caching else None)
 
-    def prefilled(self, plan: StepPlan, out: PrefillOutput) -> tuple[list[Sequence], list[int]]:
-        """Account for the prefilled chunks; sequences whose prompt is complete join the running
-        batch, and are returned with their rows of ``out.last_logits``, to sample their first token."""
+    def start_sequence(self, seq: Sequence) -> bool:
+        """Give an admitted sequence its sampling state (kept across preemptions); False when that
+        failed (it was told, and released)."""
+        if seq.state is not None:
+            return True
+        try:
+            seq.state = self.output.start(seq)
+            seq.admitted_at = time.monotonic()
+            return True
+        except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
+            self.fail([seq], f"could not start the request: {error}")
+            return False
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free ``seqs`` in the backend (whether or not they joined the batch) and drop them from it; those
+        that ended are forgotten."""
+        if not seqs:
+            return
+        self.runner.release(seqs)
+        leaving = {s.id for s in seqs}
+        self.running = [s for s in self.running if s.id not in leaving]
+        self.prefilling = [s for s in self.prefilling if s.id not in leaving]
+        self.live.forget_ended(seqs)
+
+    def fail(self, seqs: list[Sequence], message: str) -> None:
+        """End ``seqs`` with an error event, and release them."""
+        for seq in seqs:
+            emit(seq, ErrorEvent(message))
+        self.release(list(seqs))
+
+    # ---- after the step: the one writer of each sequence's progress -----------------------------------
+
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> Speculated | None:
+        """Take a step's output: advance each sequence by what the forward computed, sample its token
+        (through its draft, with ``--speculate``) and hand it on, and release those that finished; with
+        drafts, what speculation gave."""
+        speculated = None
+        if plan.decode:
+            assert out.decode_logits is not None
+            if plan.drafts and out.draft_logits is not None:
+                speculated = self._verify(plan, out.decode_logits, out.draft_logits)
+            else:
+                self.release(self._sample(list(plan.decode), out.decode_logits))
+        if out.prefill_error is not None:
+            error = out.prefill_error
+            log.error("prefill failed: %s: %s", type(error).__name__, error)
+            self.fail(list(plan.prefill), f"prefill failed: {type(error).__name__}: {error}")
+        elif plan.prefill:
+            assert out.prefill is not None
+            done, rows = self._prefilled(plan, out.prefill.prompt_logits)
+            if done:
+                self.release(self._sample(done, out.prefill.last_logits[rows]))
+        return speculated
+
+    def _prefilled(self, plan: StepPlan, prompt_logits: list[Any]) -> tuple[list[Sequence], list[int]]:
+        """Advance the prefilled sequences by their chunks; those whose prompt is complete join the running
+        batch, and are returned with their rows of the step's last logits, to sample their first token."""
         done, rows = [], []
-        for row, (seq, chunk, logits) in enumerate(zip(plan.prefill, plan.chunks, out.prompt_logits)):
+        for row, (seq, chunk, logits) in enumerate(zip(plan.prefill, plan.chunks, prompt_logits)):
             seq.num_computed += chunk
             if logits is not None and not self._prompt_details(seq, logits):
                 continue
@@ -166,27 +221,43 @@ class Batch:
             return False
         return True
 
-    def start_sequence(self, seq: Sequence) -> bool:
-        """Give an admitted sequence its sampling state (kept across preemptions); False when that
-        failed (it was told, and released)."""
-        if seq.state is not None:
-            return True
-        try:
-            seq.state = self.output.start(seq)
-            seq.admitted_at = time.monotonic()
-            return True
-        except Exception as error:  # noqa: BLE001 - a bad plugin processor fails only its request
-            self.fail([seq], f"could not start the request: {error}")
-            return False
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[tuple[int, ...]] | None = None,
+                draft_logits: list[torch.Tensor] | None = None) -> list[Sequence]:
+        """Choose and hand on each sequence's tokens (:meth:`Output.sample`); the sequences that finished."""
+        finished = self.output.sample(seqs, logits, drafts, draft_logits)
+        self.decoded(seqs)
+        return finished
 
-    def forget(self, seqs: list[Sequence]) -> None:
-        """Free ``seqs`` in the backend (whether or not they joined the batch) and drop them from it."""
-        if not seqs:
-            return
-        self.runner.release(seqs)
-        leaving = {s.id for s in seqs}
-        self.running = [s for s in self.running if s.id not in leaving]
-        self.prefilling = [s for s in self.prefilling if s.id not in leaving]
+    @staticmethod
+    def decoded(seqs: list[Sequence]) -> None:
+        """``seqs`` were handed their newest tokens: every token but the newest is in the KV cache."""
+        for seq in seqs:
+            seq.num_computed = seq.total_len - 1
+
+    def _verify(self, plan: StepPlan, logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> Speculated:
+        """Choose the decoding sequences' tokens through their drafts, then drop the KV of rejected drafts."""
+        decode = list(plan.decode)
+        fed = [plan.drafts[row][: len(rows)] for row, rows in enumerate(draft_logits)]
+        before = [len(seq.generated_ids) for seq in decode]
+        finished = self._sample(decode, logits, fed, draft_logits)
+        produced = [len(seq.generated_ids) - n for seq, n in zip(decode, before)]
+        for seq, draft, count in zip(decode, fed, produced):
+            if draft:
+                Speculator.observe(seq, count)
+        self._rollback([seq for seq, draft in zip(decode, fed) if draft])  # before those that ended go
+        self.release(finished)
+        skipped = tuple(max(0, count - 1) for draft, count in zip(fed, produced) if draft)
+        return Speculated(sum(len(d) for d in fed), sum(skipped), skipped)
+
+    def _rollback(self, seqs: list[Sequence]) -> None:
+        """Drop the KV of the drafts ``seqs`` rejected, one sequence at a time, so that a failure fails
+        its own sequence (and a rollback half done is never done twice)."""
+        for seq in seqs:
+            try:
+                self.runner.rollback([seq])
+            except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+                log.exception("rolling back the draft of sequence %d failed", seq.id)
+                self.fail([seq], f"generation failed: {type(error).__name__}: {error}")
 
     def _preempt_for_waiting(self) -> None:
         """Set aside the running sequences the scheduler names to let waiting ones start (a
@@ -194,7 +265,7 @@ class Batch:
         holding = self.holding
         if not holding or not len(self.queue):
             return
-        for preemption in self.scheduler.preempt(holding, self.step_budget()):
+        for preemption in self.waiting.preempt(holding, self.step_budget()):
             if preemption.seq not in holding:
                 continue
             if preemption.keep_kv and self.runner.pausable and preemption.seq in self.running:
@@ -206,7 +277,7 @@ class Batch:
         """Take a decoding sequence out of the batch with its KV memory kept; when the scheduler
         admits it again, its one pending token runs as a one-token prefill and it decodes on."""
         self.running = [s for s in self.running if s.id != seq.id]
-        self.scheduler.requeue(seq)
+        self.waiting.requeue(seq)
         self.suspensions += 1
         log.info("suspended sequence %d (%d tokens, KV kept)", seq.id, seq.total_len)
 
@@ -230,7 +301,7 @@ class Batch:
         """Free ``seq``'s KV memory and queue it, first in line, to be computed again (from the prefix cache)."""
         self.release([seq])
         self.forget_progress([seq])
-        self.scheduler.requeue(seq)
+        self.waiting.requeue(seq)
 
     @staticmethod
     def forget_progress(seqs: list[Sequence]) -> None:
@@ -249,7 +320,7 @@ class Batch:
                 budget -= chunk
         if budget <= 0:
             return plan
-        for seq in self.scheduler.admit(self.holding, self.step_budget(budget)):
+        for seq in self.waiting.admit(self.holding, self.step_budget(budget)):
             chunk, cached = self._start_prefill(seq, budget)
             if chunk:
                 self.prefilling.append(seq)
@@ -269,7 +340,7 @@ class Batch:
         if not chunk or not self._plan_chunk(seq, chunk):
             # It must go whole and does not fit what is left, or its KV memory is short: next step.
             seq.num_computed -= cached
-            self.scheduler.requeue(seq)
+            self.waiting.requeue(seq)
             return 0, 0
         if self.prefix_caching and fresh:
             if not seq.generated_ids:
