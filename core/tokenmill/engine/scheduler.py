@@ -79,15 +79,6 @@ class Scheduler:
         """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
 
     @property
-    def queue(self) -> Admission:
-        """The scheduler plugin's queue as the engine admits from it (:attr:`waiting`)."""
-        return self.waiting
-
-    @queue.setter
-    def queue(self, queue: SchedulerQueue | Admission) -> None:
-        self.waiting = Admission.of(queue, self.waiting.limits)
-
-    @property
     def holding(self) -> list[Sequence]:
         """The sequences that hold KV memory."""
         return self.running + self.prefilling
@@ -263,7 +254,7 @@ class Scheduler:
         """Set aside the running sequences the scheduler names to let waiting ones start (a
         scheduler without ``preempt`` never does)."""
         holding = self.holding
-        if not holding or not len(self.queue):
+        if not holding or not len(self.waiting):
             return
         for preemption in self.waiting.preempt(holding, self.step_budget()):
             if preemption.seq not in holding:

@@ -31,11 +31,11 @@ class BackendSurface:
     def queue(self) -> Admission:
         """The scheduler plugin's queue as the engine admits from it: ``admit(holding, budget)``,
         ``requeue``, ``add``, ``remove``, ``pending()``, ``len()``."""
-        return self.scheduler.queue
+        return self.scheduler.waiting
 
     @queue.setter
     def queue(self, queue: SchedulerQueue | Admission) -> None:
-        self.scheduler.queue = queue
+        self.scheduler.waiting = Admission.of(queue, self.scheduler.waiting.limits)
 
     @property
     def running(self) -> list[Sequence]:
