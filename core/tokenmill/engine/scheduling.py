@@ -79,7 +79,9 @@ class Admission:
         ``waits_for_company``, newcomers join a running batch only by TGI's rule (:func:`joins_now`)."""
         room, ready = Room(self.limits, holding, budget), []
         try:
-            while len(self.queue) and room.fits(seq := self.queue.peek()):
+            for _ in range(len(self.queue)):  # bounded, whatever the policy's pop does
+                if not room.fits(seq := self.queue.peek()):
+                    break
                 room.take(seq)
                 ready.append(self.queue.pop())
         except Exception as error:  # noqa: BLE001 - what was taken starts; one popped as it raised is orphaned
@@ -111,7 +113,7 @@ class Admission:
         """Every waiting sequence, taken from the queue; those taken before a call raised."""
         drained: list[Sequence] = []
         try:
-            while len(self.queue):
+            for _ in range(len(self.queue)):
                 drained.append(self.queue.pop())
         except Exception as error:  # noqa: BLE001
             self.fault("pop", error)
