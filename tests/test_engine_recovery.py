@@ -298,3 +298,25 @@ def test_on_the_transformers_backend_a_device_that_fails_decoding_breaks_the_eng
     engine.run_once()
     assert engine.broken is not None and "in a row failed" in engine.broken
     assert errors(running)
+
+
+def test_a_prompt_whose_prefill_cannot_be_planned_fails_alone_and_the_batch_goes_on(paged_engine, tiny_model):
+    """An error while the runner plans one prompt's blocks (not a shortage of KV memory) fails that request
+    only: the prompt planned beside it in the same step gets its reference tokens, and no step fails."""
+    model, tokenizer = tiny_model
+    engine = paged_engine(prefix_caching=True)
+    plan_prefill = engine.runner.plan_prefill
+
+    def failing(seq, chunk):
+        if seq.request.inputs == QUESTIONS[0]:
+            raise RuntimeError("the pool's bookkeeping broke")
+        plan_prefill(seq, chunk)
+
+    engine.runner.plan_prefill = failing
+    poisoned, served = Collector(), Collector()
+    engine.submit(greedy_request(tokenizer, QUESTIONS[0], 4), poisoned)
+    engine.submit(greedy_request(tokenizer, QUESTIONS[1], 4), served)
+    run_in_steps(engine, [poisoned, served])
+    assert "the pool's bookkeeping broke" in errors(poisoned)[0]
+    assert not errors(served) and served.token_ids == reference_greedy(model, tokenizer, QUESTIONS[1], 4)
+    assert engine.health.failed_steps == 0 and len(engine.scheduler.live) == 0

@@ -323,15 +323,19 @@ class Scheduler:
         """An admitted sequence's first chunk this step and the tokens it took from the prefix cache;
         chunk 0 when it waits for the next step (requeued, first in line) or failed to start."""
         fresh = seq.num_computed == 0  # new, or preempted: it holds no KV memory
-        cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
+        try:
+            cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
+        except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+            self._planning_failed(seq, error)
+            return 0, 0
         seq.num_computed += cached
         chunk = self._chunk(seq, budget)
         if chunk and not self.start_sequence(seq):
             return 0, 0  # it failed, and was told
         if not chunk or not self._plan_chunk(seq, chunk):
-            # It must go whole and does not fit what is left, or its KV memory is short: next step.
             seq.num_computed -= cached
-            self.waiting.requeue(seq)
+            if not seq.ended:  # it must go whole and does not fit what is left, or its KV memory is short
+                self.waiting.requeue(seq)
             return 0, 0
         if self.prefix_caching and fresh:
             if not seq.generated_ids:
@@ -342,7 +346,7 @@ class Scheduler:
 
     def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:
         """Tell a prefix-caching runner the chunk ``seq`` prefills this step; False when its KV memory
-        cannot be had now (nothing was taken)."""
+        cannot be had now (nothing was taken) or that failed (it was told, and released)."""
         if not self.prefix_caching:
             return True
         try:
@@ -350,7 +354,14 @@ class Scheduler:
         except MemoryError as error:
             log.info("sequence %d waits: %s", seq.id, error)
             return False
+        except Exception as error:  # noqa: BLE001 - one request's failure stays its own
+            self._planning_failed(seq, error)
+            return False
         return True
+
+    def _planning_failed(self, seq: Sequence, error: Exception) -> None:
+        log.exception("planning the prefill of sequence %d failed", seq.id, exc_info=error)
+        self.fail([seq], f"generation failed: {type(error).__name__}: {error}")
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s pending tokens to prefill with ``budget`` left (0: next step)."""
