@@ -119,14 +119,22 @@ class Admission:
             self.fault("pop", error)
         return drained
 
+    def listing(self) -> list[Sequence]:
+        """The waiting sequences in the order they start, as the queue lists them (it may raise)."""
+        return list(self.queue)
+
     def pending(self) -> list[Sequence]:
-        """The waiting sequences in the order they start; none when the queue cannot say."""
-        return self.knows_pending() or []
+        """The waiting sequences in the order they start; none when the queue cannot say (read every step
+        for ``GET /queue``, so a failure here is not logged)."""
+        try:
+            return self.listing()
+        except Exception:  # noqa: BLE001 - /queue shows none waiting rather than the loop failing
+            return []
 
     def knows_pending(self) -> list[Sequence] | None:
         """The waiting sequences in the order they start, or None when the queue cannot say (it raised)."""
         try:
-            return list(self.queue)
+            return self.listing()
         except Exception:  # noqa: BLE001 - a faulty plugin: what waits is unknown
             log.exception("listing the scheduler's queue raised")
             return None
@@ -167,10 +175,5 @@ class LegacyAdmission(Admission):
             self.fault("drain", error)
             return []
 
-    def knows_pending(self) -> list[Sequence] | None:
-        pending = getattr(self.queue, "pending", None)
-        try:
-            return list(pending()) if pending else None
-        except Exception:  # noqa: BLE001
-            log.exception("the scheduler's pending() raised")
-            return None
+    def listing(self) -> list[Sequence]:
+        return list(self.queue.pending())  # a queue without pending() cannot say what waits
