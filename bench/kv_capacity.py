@@ -42,7 +42,7 @@ def measure(budget_mib: int) -> None:
         peak = held = 0
         while not all(s.done for s in sinks):
             engine.run_once()
-            peak = max(peak, engine.runner.kv_usage()["bytes"])
+            peak = max(peak, engine.kv_usage()["bytes"])
             held = max(held, engine.batch_size)
         peaks[backend] = peak
         print(f"{backend}: held {held} sequences at once, KV peak {peak / 2**20:.1f} MiB, "

@@ -77,23 +77,24 @@ def run(engine: Any, prompt_ids: list[list[int]], concurrency: int, new_tokens: 
 
 class PhaseTimes:
     """Seconds the paged runner spends packing a step's inputs (``_pack``), in the model's forward
-    (``_forward``) and, with prefix caching, naming the blocks its sequences fill (``_fill_chain``), summed
-    until :meth:`take`; nothing for a runner without the first two methods."""
+    (``_forward``) and, with prefix caching, the KV-cache manager naming the blocks sequences fill
+    (``_name_filled``), summed until :meth:`take`; nothing for a runner without the first two methods."""
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
+    def __init__(self, engine: Any) -> None:
+        runner, kv = engine.runner, engine.scheduler.kv
         self.spent: dict[str, float] = {}
-        self.replaced: dict[str, Any] = {}
-        """What each wrapped method's name held on the runner itself before (None: nothing, the class's method)."""
+        self.replaced: list[tuple[Any, str, Any]] = []
+        """Each wrapped method's owner, name, and what the name held on the owner itself before (None:
+        nothing, the class's method)."""
         if not all(hasattr(runner, method) for method in ("_pack", "_forward")):
             return
-        phases = [("pack", "_pack"), ("forward", "_forward")]
-        if getattr(runner, "prefix_caching", False):
-            phases.append(("prefix", "_fill_chain"))
-        for name, method in phases:
+        phases = [("pack", runner, "_pack"), ("forward", runner, "_forward")]
+        if getattr(kv, "prefix_caching", False) and hasattr(kv, "_name_filled"):
+            phases.append(("prefix", kv, "_name_filled"))
+        for name, owner, method in phases:
             self.spent[name] = 0.0
-            self.replaced[method] = runner.__dict__.get(method)
-            setattr(runner, method, self._timed(name, getattr(runner, method)))
+            self.replaced.append((owner, method, owner.__dict__.get(method)))
+            setattr(owner, method, self._timed(name, getattr(owner, method)))
 
     def _timed(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -105,11 +106,11 @@ class PhaseTimes:
         return timed
 
     def restore(self) -> None:
-        for method, before in self.replaced.items():
+        for owner, method, before in self.replaced:
             if before is None:
-                del self.runner.__dict__[method]  # the class's own method again
+                del owner.__dict__[method]  # the class's own method again
             else:
-                setattr(self.runner, method, before)
+                setattr(owner, method, before)
 
     def take(self) -> dict[str, float]:
         spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
@@ -122,7 +123,7 @@ class StepTimes:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.phases = PhaseTimes(engine.runner)
+        self.phases = PhaseTimes(engine)
         self.prefill: list[float] = []
         self.decode: list[float] = []
         self.decode_phases: list[dict[str, float]] = []

@@ -117,4 +117,4 @@ def test_paged_and_transformers_give_generate_s_greedy_tokens_on_smollm2(smollm2
             engine.run_once()
         for prompt, sink in zip(prompts, sinks):
             assert sink.token_ids == reference_greedy(reference, tokenizer, prompt, 24), (backend, compiled, prompt)
-        assert engine.runner.kv_usage()["bytes"] == 0
+        assert engine.kv_usage()["bytes"] == 0

@@ -28,7 +28,7 @@ def test_greedy_tokens_equal_generate_when_requests_join_mid_batch(tiny_model):
         engine.run_once()
         batch_sizes.append(engine.batch_size)
     assert max(batch_sizes) == 8, "the late requests joined the running batch"
-    assert engine.batch_size == 0 and engine.runner.kv_usage()["bytes"] == 0
+    assert engine.batch_size == 0 and engine.kv_usage()["bytes"] == 0
     for prompt, length, sink in zip(PROMPTS, lengths, sinks):
         assert sink.token_ids == reference_greedy(model, tokenizer, prompt, length), prompt
         assert sink.final.finish_reason == "length"
@@ -43,10 +43,10 @@ def test_finished_sequences_leave_the_batch_the_step_they_finish(tiny_model):
     engine.run_once()  # prefill: token 1
     engine.run_once()  # decode: token 2, so the short one is done
     assert short.final is not None and engine.batch_size == 1
-    kv_with_one = engine.runner.kv_usage()["bytes"]
+    kv_with_one = engine.kv_usage()["bytes"]
     while not long.done:
         engine.run_once()
-    assert kv_with_one > 0 and engine.runner.kv_usage()["bytes"] == 0
+    assert kv_with_one > 0 and engine.kv_usage()["bytes"] == 0
 
 
 def test_cancel_frees_the_sequence_at_the_next_step(tiny_model):
@@ -57,11 +57,11 @@ def test_cancel_frees_the_sequence_at_the_next_step(tiny_model):
     seq = engine.submit(greedy_request(tokenizer, PROMPTS[6], 50), dropped)
     engine.run_once()
     assert engine.batch_size == 2
-    before = engine.runner.kv_usage()["bytes"]
+    before = engine.kv_usage()["bytes"]
     engine.cancel(seq)
     engine.run_once()
     assert engine.batch_size == 1
-    assert engine.runner.kv_usage()["bytes"] < before
+    assert engine.kv_usage()["bytes"] < before
     assert len(dropped.token_ids) == 1 and len(kept.token_ids) == 2
 
 

@@ -36,14 +36,14 @@ def paged_engine(tiny_model_dir, tiny_model):
 
 def fail_steps_that_prefill(runner, prompt: str) -> None:
     """Every step whose prefill holds ``prompt`` raises inside the runner, as a kernel would."""
-    step = runner._step
+    step = runner.step
 
     def failing(prefill, *args, **kwargs):
         if any(s.request.inputs == prompt for s in prefill):
             raise RuntimeError("the kernel rejected this prompt")
         return step(prefill, *args, **kwargs)
 
-    runner._step = failing
+    runner.step = failing
 
 
 def run_in_steps(engine, sinks, max_steps: int = 500) -> None:
@@ -113,15 +113,15 @@ def test_an_error_in_verifying_drafts_fails_only_the_sequence_it_belongs_to(page
     model, tokenizer = tiny_model
     engine = paged_engine()
     engine.scheduler.speculator = Fixed(3, step_tokens=64)
-    rollback = engine.runner.rollback
+    rollback = engine.scheduler.kv.rollback
     victim_prompt = PROMPTS[6]
 
-    def failing_rollback(seqs):
-        if any(s.request.inputs == victim_prompt for s in seqs):
+    def failing_rollback(seq):
+        if seq.request.inputs == victim_prompt:
             raise RuntimeError("the pool could not truncate a draft")
-        rollback(seqs)
+        rollback(seq)
 
-    engine.runner.rollback = failing_rollback
+    engine.scheduler.kv.rollback = failing_rollback
     victim, neighbour = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, victim_prompt * 2, 24), neighbour)
     engine.submit(greedy_request(tokenizer, victim_prompt, 24), victim)
@@ -167,7 +167,7 @@ def test_a_device_that_fails_every_step_still_breaks_the_engine_when_each_step_h
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    engine.runner._step = broken
+    engine.runner.step = broken
     told: list[str] = []
     engine.broken_observer = told.append
     engine.start()
@@ -186,7 +186,7 @@ def test_a_device_that_fails_every_step_still_breaks_the_engine_when_each_step_h
 def test_a_prefix_cache_reset_is_answered_when_taking_the_inbox_fails(paged_engine, tiny_model):
     _, tokenizer = tiny_model
     engine = paged_engine(prefix_caching=True)
-    release = engine.runner.release
+    release = engine.scheduler.kv.free
 
     def failing_release(seqs):
         if seqs:
@@ -198,11 +198,11 @@ def test_a_prefix_cache_reset_is_answered_when_taking_the_inbox_fails(paged_engi
     engine.cancel(seq)
     answered = threading.Event()
     engine.reset_prefix_cache(lambda dropped: answered.set())
-    engine.runner.release = failing_release
+    engine.scheduler.kv.free = failing_release
     engine.start()
     try:
         assert answered.wait(10), "the reset was never answered"
-        engine.runner.release = release
+        engine.scheduler.kv.free = release
         served = Collector()
         engine.submit(greedy_request(tokenizer, PROMPTS[4], 4), served)
         wait_for(lambda: served.done)
@@ -301,18 +301,18 @@ def test_on_the_transformers_backend_a_device_that_fails_decoding_breaks_the_eng
 
 
 def test_a_prompt_whose_prefill_cannot_be_planned_fails_alone_and_the_batch_goes_on(paged_engine, tiny_model):
-    """An error while the runner plans one prompt's blocks (not a shortage of KV memory) fails that request
-    only: the prompt planned beside it in the same step gets its reference tokens, and no step fails."""
+    """An error while the KV-cache manager allocates one prompt's blocks (not a shortage of KV memory) fails
+    that request only: the prompt planned beside it in the same step gets its reference tokens, and no step fails."""
     model, tokenizer = tiny_model
     engine = paged_engine(prefix_caching=True)
-    plan_prefill = engine.runner.plan_prefill
+    allocate = engine.scheduler.kv.allocate
 
-    def failing(seq, chunk):
+    def failing(seq, cached, chunk):
         if seq.request.inputs == QUESTIONS[0]:
             raise RuntimeError("the pool's bookkeeping broke")
-        plan_prefill(seq, chunk)
+        allocate(seq, cached, chunk)
 
-    engine.runner.plan_prefill = failing
+    engine.scheduler.kv.allocate = failing
     poisoned, served = Collector(), Collector()
     engine.submit(greedy_request(tokenizer, QUESTIONS[0], 4), poisoned)
     engine.submit(greedy_request(tokenizer, QUESTIONS[1], 4), served)

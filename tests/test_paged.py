@@ -40,7 +40,7 @@ def run(engine, requests) -> tuple[list[Collector], dict[str, int]]:
 
 
 def assert_pool_empty(engine) -> None:
-    usage = engine.runner.kv_usage()
+    usage = engine.kv_usage()
     assert usage["blocks_used"] == 0 and engine.batch_size == 0
 
 
@@ -129,7 +129,7 @@ def test_cancelling_returns_blocks_at_once(paged_model, tiny_model):
     seq = engine.submit(greedy_request(tokenizer, PROMPTS[6], 100), Collector())
     for _ in range(3):
         engine.run_once()
-    assert engine.runner.kv_usage()["blocks_used"] > 0
+    assert engine.kv_usage()["blocks_used"] > 0
     engine.cancel(seq)
     engine.run_once()
     assert_pool_empty(engine)
@@ -294,7 +294,7 @@ def test_a_forward_compiled_in_the_background_serves_eagerly_until_built_and_the
 
 def test_a_background_build_that_fails_is_tried_again_before_the_forward_stays_eager(paged_model, tiny_model,
                                                                                     monkeypatch):
-    import tokenmill_plugins.backends.paged as paged
+    import tokenmill_plugins.backends.paged.runner as paged
 
     builds, failing = [], [paged.BUILD_ATTEMPTS - 1]
 

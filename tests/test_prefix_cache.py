@@ -66,7 +66,7 @@ def all_at_once(engine, requests: list[GenerationRequest]) -> tuple[list[Collect
 
 def assert_pool_at_rest(engine) -> None:
     """No sequence holds a block: every block is free or cached, every reference count is 0."""
-    pool = engine.runner.pool
+    pool = engine.runner.kv_pool
     assert engine.batch_size == 0 and not pool.tables
     assert pool.free_blocks() == pool.num_blocks
     assert not any(pool.ref_counts)
@@ -215,7 +215,7 @@ def test_shared_blocks_are_never_written(fresh_model, tiny_model):
     _, tokenizer = tiny_model
     prompt = SYSTEM + QUESTIONS[0]
     engine = engine_after(fresh_model, tokenizer, prompt)
-    pool = engine.runner.pool
+    pool = engine.runner.kv_pool
     blocks = pool.lookup(full_block_hashes(Sequence(greedy_request(tokenizer, prompt, 1), print, None), 16, 3))
     before = [(keys[blocks].clone(), values[blocks].clone()) for keys, values in zip(pool.keys, pool.values)]
     one_by_one(engine, requests_of(tokenizer, [prompt, SYSTEM + QUESTIONS[1]], new_tokens=20))
@@ -416,7 +416,7 @@ def test_a_step_that_fails_forgets_the_blocks_it_named(fresh_model, tiny_model, 
     monkeypatch.setattr(runner, "_forward", failing_once)
     failed, = one_by_one(engine, [greedy_request(tokenizer, prompt, 4)])
     assert "the device fell over" in failed.events[0].message
-    assert runner.pool.cached_blocks() == 0  # named for that step, never computed
+    assert runner.kv_pool.cached_blocks() == 0  # named for that step, never computed
     again, = one_by_one(engine, [greedy_request(tokenizer, prompt, 4)])
     assert again.final.cached_tokens == 0
     plain, = one_by_one(paged_engine(fresh_model, tokenizer, False), [greedy_request(tokenizer, prompt, 4)])
@@ -430,7 +430,7 @@ def test_reset_drops_every_cached_block_no_sequence_holds(fresh_model, tiny_mode
     holder = Collector()
     engine.submit(greedy_request(tokenizer, SYSTEM + QUESTIONS[1], 50), holder)
     engine.run_once()  # it holds the shared blocks (and names its own) while it decodes
-    pool = engine.runner.pool
+    pool = engine.runner.kv_pool
     holding = pool.blocks_of(engine.running[0].id)
     unheld = len(pool.cached)
     assert unheld > 0 and pool.idle_among(holding) == 0
@@ -453,11 +453,11 @@ def test_admission_counts_only_uncached_tokens_against_the_prefill_budget(fresh_
     engine = engine_after(fresh_model, tokenizer, prompt)
     seq = Sequence(greedy_request(tokenizer, prompt, 4), print, None)
     limits = BatchLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=4096, max_batch_size=None)
-    runner = engine.runner
+    kv = engine.scheduler.kv
     uncached = seq.prompt_len - (seq.prompt_len - 1) // 16 * 16
-    budget = StepBudget(uncached, False, runner.kv_free_tokens(), 16, runner)
+    budget = StepBudget(uncached, False, kv.free_tokens(), 16, kv)
     assert Room(limits, [], budget).fits(seq)  # its cached blocks cost no prefill: the rest fits
-    assert not Room(limits, [], StepBudget(uncached, False, runner.kv_free_tokens(), 16)).fits(seq)
+    assert not Room(limits, [], StepBudget(uncached, False, kv.free_tokens(), 16)).fits(seq)
 
 
 # ---- over HTTP ------------------------------------------------------------------------------

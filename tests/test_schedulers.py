@@ -347,17 +347,17 @@ def test_a_suspended_sequence_keeps_its_kv_and_resumes_with_the_tokens_it_would_
     engine.submit(greedy_request(tokenizer, PROMPTS[6], 20, priority="low"), low)
     for _ in range(6):
         engine.run_once()
-    held = engine.runner.kv_usage()["blocks_used"]
+    held = engine.kv_usage()["blocks_used"]
     engine.submit(greedy_request(tokenizer, PROMPTS[1], 5, priority="high"), high)
     engine.run_once()
     assert engine.suspensions == 1 and engine.preemptions == 0
-    assert engine.runner.kv_usage()["blocks_used"] > held, "both hold their blocks"
+    assert engine.kv_usage()["blocks_used"] > held, "both hold their blocks"
     assert [entry["preempted"] for entry in engine.queue_view()["pending"]] == [True]
     while not (low.done and high.done):
         engine.run_once()
     assert low.token_ids == reference_greedy(model, tokenizer, PROMPTS[6], 20)
     assert high.token_ids == reference_greedy(model, tokenizer, PROMPTS[1], 5)
-    assert engine.runner.kv_usage()["blocks_used"] == 0
+    assert engine.kv_usage()["blocks_used"] == 0
 
 
 def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_had(tiny_model):
@@ -398,12 +398,12 @@ def test_a_slow_reader_pauses_only_its_own_sequence_and_resumes_with_the_same_to
         engine.run_once()
     assert fast.done and len(fast.token_ids) == 12, "the fast reader never waited for the slow one"
     assert len(slow.token_ids) == 4 and not slow.done, "the slow reader's sequence stopped at its buffer"
-    assert engine.batch_size == 1 and engine.runner.kv_usage()["bytes"] > 0, "it kept its KV memory"
+    assert engine.batch_size == 1 and engine.kv_usage()["bytes"] > 0, "it kept its KV memory"
     while not slow.done:  # the client now reads everything it is sent
         read = len(slow.events)
         engine.run_once()
     assert slow.token_ids == reference_greedy(model, tokenizer, PROMPTS[0], 12)
-    assert engine.runner.kv_usage()["bytes"] == 0
+    assert engine.kv_usage()["bytes"] == 0
 
 
 def test_the_padded_batch_cannot_leave_a_row_out_so_it_keeps_decoding_a_slow_readers_sequence(tiny_model):

@@ -77,7 +77,7 @@ def run(model: Any, tokenizer: Any, requests: list[GenerationRequest], speculato
 
 def assert_only_kept_tokens_hold_kv(engine: Any) -> None:
     """Each decoding sequence holds the blocks of the tokens it kept, and zeros after them."""
-    pool = engine.runner.pool
+    pool = engine.runner.kv_pool
     for seq in engine.scheduler.running:
         table = pool.blocks_of(seq.id)
         assert len(table) == blocks_for(seq.num_computed, pool.block_size), seq
@@ -88,7 +88,7 @@ def assert_only_kept_tokens_hold_kv(engine: Any) -> None:
 
 
 def assert_pool_at_rest(engine: Any) -> None:
-    pool = engine.runner.pool
+    pool = engine.runner.kv_pool
     assert engine.batch_size == 0 and not pool.tables
     assert pool.free_blocks() == pool.num_blocks and not any(pool.ref_counts)
 

@@ -122,7 +122,7 @@ def test_an_end_of_sequence_token_or_a_stop_sequence_ends_the_request_and_aborts
     engine.run_once()
     engine.vllm_runner.stats.usage = 0.5  # what vLLM reported from a step
     run(engine, [by_eos, by_stop])
-    assert engine.runner.kv_usage()["blocks_used"] == 0  # no step reports the aborts: the runner knows
+    assert engine.kv_usage()["blocks_used"] == 0  # no step reports the aborts: the runner knows
     assert by_eos.final.finish_reason == "eos_token" and by_eos.token_ids == script + [2]
     assert by_stop.final.finish_reason == "stop_sequence" and by_stop.final.generated_text == " red green"
     assert len(stand_in.aborted) == 2 and not stand_in.live

@@ -112,7 +112,7 @@ class Engine(BackendSurface):
     def drop_cached_prefixes(self) -> int:
         """(Engine thread.) What :meth:`reset_prefix_cache` does; an engine-owning backend's engine
         overrides it to reset its own cache."""
-        return self.runner.reset_prefix_cache() if self.scheduler.prefix_caching else 0
+        return self.scheduler.kv.drop_cached()
 
     @property
     def queue_size(self) -> int:
@@ -132,8 +132,10 @@ class Engine(BackendSurface):
         """Why the engine can no longer serve, once it cannot."""
         return self.health.broken
 
-    def kv_usage(self) -> dict[str, Any]:  # for /metrics: the runner's, and the KV positions held at the last step
-        return {"tokens_held": sum(s.num_computed for seqs in self._published for s in seqs), **self.runner.kv_usage()}
+    def kv_usage(self) -> dict[str, Any]:
+        """For /metrics and /info: the KV memory's usage, and the positions held at the last step."""
+        held = sum(s.num_computed for seqs in self._published for s in seqs)
+        return {"tokens_held": held, **self.scheduler.kv.usage()}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
@@ -267,9 +269,8 @@ class Engine(BackendSurface):
         """After an error no step part caught: fail the batch, drop every KV block (none can be trusted), and
         have every sequence still waiting (a suspended one kept its KV) computed again from its tokens."""
         self.fail(self.scheduler.holding, "internal error in the engine step")
-        self.runner.reset()
+        self.scheduler.kv.reset(self.scheduler.live.all())
         self.scheduler.running, self.scheduler.prefilling = [], []
-        self.scheduler.forget_progress(self.scheduler.live.all())
         self.end_orphans("the engine step failed")
         self.health.step_ended(ok=False)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.engine.kv_cache import kv_cache_for
 from tokenmill.engine.output import Output, emit
 from tokenmill.engine.registry import LiveSequences
 from tokenmill.engine.scheduling import Admission
@@ -54,6 +55,8 @@ class Scheduler:
     def __init__(self, runner: BackendRunner, queue: SchedulerQueue | Admission, output: Output, prefill_budget: int,
                  stream_buffer_tokens: int) -> None:
         self.runner = runner
+        self.kv = kv_cache_for(runner)
+        """The KV memory's manager: the one owner of which blocks each sequence holds, and of the prefix cache."""
         self.waiting = Admission.of(queue)
         """Admission over the scheduler plugin's queue, every call guarded: none loses a sequence silently."""
         self.live = LiveSequences()
@@ -68,8 +71,8 @@ class Scheduler:
         """Admitted sequences whose prompt is prefilled in chunks over several steps."""
         self.preemptions = 0
         self.suspensions = 0
-        self.prefix_caching = bool(getattr(runner, "prefix_caching", False))
-        """Whether sequences start from the runner's cached prefixes (see :meth:`BackendRunner.prefix_hit`)."""
+        self.prefix_caching = self.kv.prefix_caching
+        """Whether sequences start from cached prefixes (see :meth:`KVCacheManager.lookup`)."""
         self.prefix_queried_tokens = 0
         """Tokens of the sequences started (or restarted after a preemption) that were looked up in the prefix
         cache ..."""
@@ -91,7 +94,9 @@ class Scheduler:
         prefill = self._plan_prefill()
         seqs, chunks, cached = (tuple(column) for column in zip(*prefill)) if prefill else ((), (), ())
         decode = tuple(self.decoding())
-        return StepPlan(seqs, chunks, decode, self._drafts(decode, sum(chunks)), cached)
+        drafts = self._drafts(decode, sum(chunks))
+        fed = tuple(self.kv.allocate_decode(list(decode), list(drafts))) if decode else ()
+        return StepPlan(seqs, chunks, decode, fed if any(fed) else (), cached)
 
     def _drafts(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
         """The speculator's drafts for ``decode``; none when it is off or failed (the step goes on without)."""
@@ -128,8 +133,8 @@ class Scheduler:
         """What a step can take in, as the scheduler is told: ``prefill_tokens`` (by default the whole
         prefill budget), the runner's free KV memory and its prefix cache."""
         tokens = self.prefill_budget if prefill_tokens is None else prefill_tokens
-        return StepBudget(tokens, self.runner.chunked_prefill, self.runner.kv_free_tokens(),
-                          self.runner.kv_block_size, self.runner if self.prefix_caching else None)
+        return StepBudget(tokens, self.runner.chunked_prefill, self.kv.free_tokens(), self.kv.block_size,
+                          self.kv if self.prefix_caching else None)
 
     def start_sequence(self, seq: Sequence) -> bool:
         """Give an admitted sequence its sampling state (kept across preemptions); False when that
@@ -149,7 +154,7 @@ class Scheduler:
         that ended are forgotten."""
         if not seqs:
             return
-        self.runner.release(seqs)
+        self.kv.free(seqs)
         leaving = {s.id for s in seqs}
         self.running = [s for s in self.running if s.id not in leaving]
         self.prefilling = [s for s in self.prefilling if s.id not in leaving]
@@ -167,6 +172,7 @@ class Scheduler:
         """Take a step's output: advance each sequence by what the forward computed, sample its token
         (through its draft, with ``--speculate``) and hand it on, and release those that finished; with
         drafts, what speculation gave."""
+        self.kv.commit(plan.prefill + plan.decode)
         speculated = None
         if plan.decode:
             assert out.decode_logits is not None
@@ -245,7 +251,7 @@ class Scheduler:
         its own sequence (and a rollback half done is never done twice)."""
         for seq in seqs:
             try:
-                self.runner.rollback([seq])
+                self.kv.rollback(seq)
             except Exception as error:  # noqa: BLE001 - one request's failure stays its own
                 log.exception("rolling back the draft of sequence %d failed", seq.id)
                 self.fail([seq], f"generation failed: {type(error).__name__}: {error}")
@@ -274,7 +280,7 @@ class Scheduler:
 
     def _make_room_for_decode(self) -> None:
         """Preempt the latest arrivals until KV memory holds one more token for each running sequence."""
-        while self.running and not self.runner.can_decode(self.running):
+        while self.running and not self.kv.can_decode(self.running):
             holders = self.holding
             victim = max(holders, key=lambda s: (s.arrived_at, s.id))
             if len(holders) == 1:  # alone and still too big: recomputing it would not help
@@ -291,14 +297,7 @@ class Scheduler:
     def restart(self, seq: Sequence) -> None:
         """Free ``seq``'s KV memory and queue it, first in line, to be computed again (from the prefix cache)."""
         self.release([seq])
-        self.forget_progress([seq])
         self.waiting.requeue(seq)
-
-    @staticmethod
-    def forget_progress(seqs: list[Sequence]) -> None:
-        """``seqs`` hold no KV memory (any more): each is computed again from its first token."""
-        for seq in seqs:
-            seq.num_computed = 0
 
     def _plan_prefill(self) -> list[tuple[Sequence, int, int]]:
         """This step's prefill work, prompts under way first: (sequence, tokens, tokens it took from the cache)."""
@@ -324,16 +323,14 @@ class Scheduler:
         chunk 0 when it waits for the next step (requeued, first in line) or failed to start."""
         fresh = seq.num_computed == 0  # new, or preempted: it holds no KV memory
         try:
-            cached = self.runner.prefix_hit(seq).tokens if self.prefix_caching and fresh else 0
+            cached = self.kv.lookup(seq).tokens if fresh else 0
         except Exception as error:  # noqa: BLE001 - one request's failure stays its own
             self._planning_failed(seq, error)
             return 0, 0
-        seq.num_computed += cached
-        chunk = self._chunk(seq, budget)
+        chunk = self._chunk(seq, budget, cached)
         if chunk and not self.start_sequence(seq):
             return 0, 0  # it failed, and was told
-        if not chunk or not self._plan_chunk(seq, chunk):
-            seq.num_computed -= cached
+        if not chunk or not self._plan_chunk(seq, chunk, cached):
             if not seq.ended:  # it must go whole and does not fit what is left, or its KV memory is short
                 self.waiting.requeue(seq)
             return 0, 0
@@ -344,13 +341,12 @@ class Scheduler:
             self.prefix_hit_tokens += cached
         return chunk, cached
 
-    def _plan_chunk(self, seq: Sequence, chunk: int) -> bool:
-        """Tell a prefix-caching runner the chunk ``seq`` prefills this step; False when its KV memory
-        cannot be had now (nothing was taken) or that failed (it was told, and released)."""
-        if not self.prefix_caching:
-            return True
+    def _plan_chunk(self, seq: Sequence, chunk: int, cached: int = 0) -> bool:
+        """Allocate the KV memory of the chunk ``seq`` prefills this step (after the ``cached`` tokens it
+        takes from the prefix cache, when it holds none yet); False when that memory cannot be had now
+        (nothing was taken) or that failed (it was told, and released)."""
         try:
-            self.runner.plan_prefill(seq, chunk)
+            self.kv.allocate(seq, cached, chunk)
         except MemoryError as error:
             log.info("sequence %d waits: %s", seq.id, error)
             return False
@@ -363,9 +359,10 @@ class Scheduler:
         log.exception("planning the prefill of sequence %d failed", seq.id, exc_info=error)
         self.fail([seq], f"generation failed: {type(error).__name__}: {error}")
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of ``seq``'s pending tokens to prefill with ``budget`` left (0: next step)."""
-        whole = seq.pending_len
+    def _chunk(self, seq: Sequence, budget: int, cached: int = 0) -> int:
+        """How many of ``seq``'s pending tokens (less the ``cached`` it takes) to prefill with ``budget``
+        left (0: next step)."""
+        whole = seq.pending_len - cached
         if self.runner.chunked_prefill and not seq.wants_prompt_logits:
             return max(0, min(whole, budget))
         # All at once. One that could never fit a step's budget runs oversized rather than wait forever.

@@ -30,6 +30,7 @@ class StepExecution:
             out = self.forward(plan)
         except Exception as error:  # noqa: BLE001 - the step's sequences fail, the engine goes on
             log.exception("engine step failed")
+            self.scheduler.kv.drop_drafts(plan.decode)
             isolated = self.isolate(plan)
             if isolated is None:
                 message = f"generation failed: {type(error).__name__}: {error}"
@@ -88,12 +89,13 @@ class StepExecution:
     def probe(self) -> bool:
         """After a step whose every part failed: whether a made-up one-token prefill runs, that is,
         whether the failure was its requests' own and the engine can still serve."""
-        runner = self.scheduler.runner
+        kv = self.scheduler.kv
         probe = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
         try:
-            return runner.step([probe], [1], [False], []).prefill_error is None
+            kv.allocate(probe, 0, 1)
+            return self.scheduler.runner.step([probe], [1], [False], []).prefill_error is None
         except Exception:  # noqa: BLE001 - the engine's failure: counted towards --max-failed-steps
             log.exception("a probe step failed too")
             return False
         finally:
-            runner.release([probe])
+            kv.free([probe])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.engine.kv_cache import RunnerKV
 from tokenmill.engine.output import Output
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling import Admission
@@ -25,7 +26,9 @@ class BackendSurface:
 
     @runner.setter
     def runner(self, runner: BackendRunner) -> None:
-        self.scheduler.runner = runner  # e.g. a runner wrapped after start-up
+        self.scheduler.runner = runner  # e.g. a runner wrapped after start-up (over the same KV memory)
+        if isinstance(self.scheduler.kv, RunnerKV):
+            self.scheduler.kv.runner = runner
 
     @property
     def queue(self) -> Admission:

@@ -173,7 +173,7 @@ class InfoRoute:
                            if state.chosen and state.chosen.backend.kv_layout == "paged" else None),
             "prefix_caching": state.engine is not None and state.prefix_caching_off is None,
             "prefix_caching_off_reason": state.prefix_caching_off,
-            "kv": state.engine.runner.kv_usage() if state.engine else None,
+            "kv": state.engine.kv_usage() if state.engine else None,
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),

@@ -29,7 +29,7 @@ class SequenceView:
     token_ids: list[int]
     cache_namespace: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
-    """A memo the shard's runner fills from ``token_ids`` (see ``tokenmill.engine.prefix``)."""
+    """A memo a prefix-caching shard runner of its own fills from ``token_ids`` (``tokenmill.engine.prefix``)."""
 
     @property
     def pending_len(self) -> int:
@@ -41,22 +41,61 @@ class SequenceView:
                    seq.cache_namespace if with_tokens else "")
 
 
+POOL_CHANGES = frozenset({"reserve", "free", "free_all", "share", "name", "unname", "truncate", "drop_cached"})
+"""The block pool's calls that change it (:class:`tokenmill.interfaces.CachingBlockPool`)."""
+
+
+class MirroredPool:
+    """Rank 0's KV pool as the engine's KV-cache manager changes it: each change is also written down,
+    and goes to the shards with the next step, whose pools make the same changes first. The pools are
+    alike and the changes the same, so every rank's block tables are too."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.changes: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name not in POOL_CHANGES:
+            return value
+
+        def change(*args: Any) -> Any:
+            self.changes.append((name, args))
+            return value(*args)
+        return change
+
+    def take_changes(self) -> list[tuple[str, tuple[Any, ...]]]:
+        changes, self.changes = self.changes, []
+        return changes
+
+
+def apply_changes(pool: Any, changes: list[tuple[str, tuple[Any, ...]]]) -> None:
+    """Make on a shard's pool the changes rank 0's made."""
+    for name, args in changes:
+        getattr(pool, name)(*args)
+
+
 class MirroredRunner:
     """Rank 0's backend runner: every call that changes its state (a step, a release, a reset) is
     first sent to the shards, whose runners of the same backend replay it on their slice of the
     model and their own KV memory, so every rank's cache stays in step. Queries pass through.
-    Works for any backend whose runner decides only from these calls (both built-in ones do)."""
+    Works for any backend whose runner decides only from these calls (both built-in ones do); a
+    runner over a block pool (``kv_pool``) gets its pool's changes with each step instead."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        pool = getattr(inner, "kv_pool", None)
+        self.kv_pool = None if pool is None else MirroredPool(pool)
+        """A runner over a block pool: the engine changes the pool, and the changes go with each step."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def step(self, prefill: list[Any], chunks: list[int], want_prompt_logits: list[bool], decode: list[Any],
              drafts: list[tuple[int, ...]] | None = None) -> Any:
-        broadcast(("step", [SequenceView.of(s, True) for s in prefill], list(chunks), list(want_prompt_logits),
-                   [SequenceView.of(s, False) for s in decode], drafts))
+        changes = self.kv_pool.take_changes() if self.kv_pool is not None else []
+        broadcast(("step", changes, [SequenceView.of(s, True) for s in prefill], list(chunks),
+                   list(want_prompt_logits), [SequenceView.of(s, False) for s in decode], drafts))
         try:
             out = step(self.inner, (prefill, chunks, want_prompt_logits, decode), drafts)
         except BaseException as error:
@@ -105,7 +144,8 @@ def replay(runner: Any, message: tuple[Any, ...]) -> None:
     stops the server)."""
     kind = message[0]
     if kind == "step":
-        step(runner, message[1:5], message[5])
+        apply_changes(runner.kv_pool, message[1])
+        step(runner, message[2:6], message[6])
     elif kind == "release":
         runner.release(message[1])
     elif kind == "rollback":
