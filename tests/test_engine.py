@@ -236,10 +236,12 @@ def test_a_stop_sequence_can_match_a_special_token(tiny_model):
 
 
 def test_warmup_fits_a_small_prefill_budget_and_fails_clearly_when_nothing_fits(tiny_model):
+    from tokenmill.engine.startup import run_warm_up
+
     model, tokenizer = tiny_model
-    build_engine(model, tokenizer, max_batch_prefill_tokens=8).warm_up(8, 49152)
+    run_warm_up(build_engine(model, tokenizer, max_batch_prefill_tokens=8), 8, 49152)
     with pytest.raises(RuntimeError, match="did not finish"):
-        build_engine(model, tokenizer, max_batch_prefill_tokens=4).warm_up(8, 49152, max_steps=5)
+        run_warm_up(build_engine(model, tokenizer, max_batch_prefill_tokens=4), 8, 49152, max_steps=5)
 
 
 class FlakyRunner:

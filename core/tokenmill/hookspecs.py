@@ -50,11 +50,20 @@ def tokenmill_backends() -> list[Backend]:
     - `step(prefill, chunks, want_prompt_logits, decode, drafts=None) -> StepOutput` runs one engine step: it
       prefills the next `chunks[i]` tokens of each `prefill` sequence and feeds each `decode`
       sequence its newest token (and, for a `speculative` runner, its draft: see Speculation);
-    - `can_decode(seqs)`, `kv_free_tokens()`, `release(seqs)`, `reset()` and `kv_usage()`;
     - the attribute `chunked_prefill`.
 
-    **Prefix caching.** A runner that reuses computed prompt prefixes (the paged runner, unless
-    `--no-prefix-caching`) sets `prefix_caching = True` and answers three more calls:
+    **KV memory.** A runner over a block pool (the paged runner) exposes it as `kv_pool`; the engine's
+    KV-cache manager (`tokenmill.engine.kv_cache.KVCacheManager`) then owns that memory: before each
+    step it allocates every sequence's blocks (a prompt's whole context, a draft's positions), after
+    the step it names the full blocks (only once the forward that filled them succeeded), and it
+    frees, rolls back and resets them. Such a runner only reads `kv_pool.blocks_of(seq.id)` to pack
+    its step and keeps no cache state; offered prefix caching (`enable_prefix_caching()`, below), it
+    just says whether its pool can keep cached blocks. A runner without `kv_pool` keeps its own KV
+    memory and answers `can_decode(seqs)`, `kv_free_tokens()`, `release(seqs)`, `reset()` and
+    `kv_usage()` (the transformers runner does).
+
+    **Prefix caching.** A runner without `kv_pool` that reuses computed prompt prefixes sets
+    `prefix_caching = True` and answers three more calls:
 
     - `prefix_hit(seq, planned)` (read-only): the leading tokens of a sequence that holds no KV
       memory whose blocks are cached, as a `PrefixHit`;
@@ -67,19 +76,21 @@ def tokenmill_backends() -> list[Backend]:
     tokenmill offers the cache to a runner with `enable_prefix_caching()` and
     `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's `cache_salt`
     and LoRA adapter make its blocks' names its own (`Sequence.cache_namespace`);
-    `tokenmill.engine.prefix` names blocks (`block_hash`, `full_block_hashes`, `BlockChain`).
+    `tokenmill.engine.kv_cache` names blocks (`block_hash`, `full_block_hashes`, `BlockChain`; also
+    importable from `tokenmill.engine.prefix`).
 
     **Speculation.** A runner that verifies drafts (`--speculate`) sets `speculative = True`. Its
     `step` then takes `drafts`, per decoding sequence the tokens to feed after its newest one (an empty
     tuple for none), and returns in `StepOutput.draft_logits`, per decoding sequence, the logits after
-    each draft token it fed (it may feed fewer, none included, where KV memory is short). After the
-    engine has appended the tokens it kept, it calls `rollback(seqs)` for the sequences that fed a
-    draft, those that end in the step included (a sequence that got no token, cancelled or failed,
-    is released right after and needs nothing): their KV memory must then hold only positions below
-    `seq.num_computed` (the paged runner
-    names the blocks that accepted tokens filled and calls the pool's optional `truncate(seq_id,
-    tokens)`). A runner without `speculative` is never given drafts; tokenmill refuses `--speculate`
-    at start with it.
+    each draft token it fed. A runner over a `kv_pool` is given only drafts the engine found memory
+    for, and feeds them all; the engine then drops the rejected ones (naming the blocks accepted
+    tokens filled, and calling the pool's optional `truncate(seq_id, tokens)`). A runner of its own
+    KV memory may feed fewer, none included, where its memory is short; after the engine has appended
+    the tokens it kept, it calls that runner's `rollback(seqs)` for the sequences that fed a draft,
+    those that end in the step included (a sequence that got no token, cancelled or failed, is
+    released right after and needs nothing): their KV memory must then hold only positions below
+    `seq.num_computed`. A runner without `speculative` is never given drafts; tokenmill refuses
+    `--speculate` at start with it.
 
     **Mixed steps.** A backend whose steps prefill newcomers (in chunks) in the same forward as the
     running batch decodes sets `mixed_steps = True` (the paged backends do). Its admission defaults

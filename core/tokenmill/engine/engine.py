@@ -16,21 +16,20 @@ from dataclasses import replace
 from typing import Any
 
 import pluggy
-import torch
 
 from tokenmill.engine.health import Broken, EngineHealth
 from tokenmill.engine.inbox import Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling import Admission
-from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent, queue_entry
+from tokenmill.engine.sequence import ErrorEvent, GenerationRequest, Sequence, queue_snapshot
 from tokenmill.engine.step import StepExecution
 from tokenmill.engine.stream import EventSink, EventStream
 from tokenmill.engine.surface import BackendSurface
 from tokenmill.engine.timing import StepTiming
 from tokenmill.interfaces import BackendRunner, SchedulerQueue
 from tokenmill.model.kv_memory import trim_heap
-from tokenmill.sampling import SamplingParams, new_seed, uses_sampling
+from tokenmill.sampling import new_seed, uses_sampling
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +39,9 @@ idle one does so once its work is done."""
 
 
 class Engine(BackendSurface):
-    """Continuous batching over a :class:`BackendRunner`.
-
-    A backend that brings its own engine (``Backend.owns_engine``) subclasses this class and
-    replaces :meth:`step` using this public surface: it admits from ``self.queue`` with
-    :meth:`step_budget`, starts each admitted sequence with :meth:`start_sequence` (its sampler is
-    then :meth:`sampler`), adds it to ``self.running``, hands every token its engine chose to
-    :meth:`accept_token`, ends sequences with :meth:`release` or :meth:`fail`, times each step
-    with a :class:`StepClock` and reports it to :meth:`observe_step`, and calls :meth:`give_up`
-    when its machinery has died. Queueing, cancellation, detokenization, stop sequences and the
-    events the HTTP side reads stay the same.
-    """
+    """Continuous batching over a :class:`BackendRunner`. A backend that brings its own engine
+    (``Backend.owns_engine``) subclasses it and replaces :meth:`step`, using the surface hooks.md's
+    "A backend with an engine of its own" lists; queueing, cancellation and the events stay the same."""
 
     def __init__(self, runner: BackendRunner, queue: SchedulerQueue | Admission, tokenizer: Any, eos_ids: set[int],
                  prefill_budget: int, pm: pluggy.PluginManager | None = None, stream_buffer_tokens: int = 64,
@@ -148,29 +139,13 @@ class Engine(BackendSurface):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def warm_up(self, prompt_tokens: int, vocab_size: int, new_tokens: int = 2, max_steps: int = 100) -> None:
-        """Run one small request through prefill and decode before serving."""
-        prompt = torch.randint(0, vocab_size, (prompt_tokens,)).tolist()
-        events: list[Event] = []
-        self.queue.add(Sequence(GenerationRequest("", prompt, new_tokens, SamplingParams()), events.append, None))
-        for _ in range(max_steps):
-            self.step()
-            errors = [e.message for e in events if isinstance(e, ErrorEvent)]
-            if errors:
-                raise RuntimeError(errors[0])
-            if any(isinstance(e, TokenEvent) and e.final for e in events):
-                return
-        raise RuntimeError(f"the warm-up did not finish in {max_steps} steps (is the prefill budget too small?)")
-
     def release(self, seqs: list[Sequence]) -> None:
         """Free ``seqs`` in the backend and forget them."""
         self.scheduler.release(seqs)
 
     def fail(self, seqs: list[Sequence], message: str) -> None:
         """End ``seqs`` with an error event, and release them."""
-        for seq in seqs:
-            emit(seq, ErrorEvent(message))
-        self.release(list(seqs))
+        self.scheduler.fail(seqs, message)
 
     def observe_step(self, timing: StepTiming) -> None:
         """Report a step that ran the model to the metrics, and count it towards ``--max-failed-steps``."""
@@ -287,11 +262,5 @@ class Engine(BackendSurface):
         self.scheduler.running, self.scheduler.prefilling = [], []
 
     def queue_view(self) -> dict[str, list[dict[str, Any]]]:
-        """Pending and running sequences as of the last step (requests handed over since then
-        first among the pending): ids, classes, lengths and times; never prompt text."""
-        incoming = self.inbox.waiting()
-        waiting, prefilling, running = self._published
-        now = time.monotonic()
-        return {"pending": [queue_entry(s, "waiting", now) for s in incoming + list(waiting)],
-                "running": [queue_entry(s, "prefilling", now) for s in prefilling]
-                + [queue_entry(s, "paused" if self.scheduler.paused(s) else "decoding", now) for s in running]}
+        """``GET /queue``: pending and running sequences as of the last step (those handed over since first)."""
+        return queue_snapshot(self.inbox.waiting(), *self._published, self.scheduler.paused)

@@ -13,6 +13,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+from tokenmill.engine.sequence import GenerationRequest, Sequence
+from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +84,17 @@ class EngineHealth:
             started = self.busy_since
             if started is not None and time.monotonic() - started > self.step_timeout:
                 self.give_up(f"an engine step has run for more than {self.step_timeout:g} s (--step-timeout)")
+
+
+def probe(runner: Any, kv: Any) -> bool:
+    """After a step whose every part failed: whether a made-up one-token prefill runs on ``runner`` (its
+    memory from ``kv``), that is, whether the failure was its requests' own and the engine can still serve."""
+    seq = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
+    try:
+        kv.allocate(seq, 0, 1)
+        return runner.step([seq], [1], [False], []).prefill_error is None
+    except Exception:  # noqa: BLE001 - the engine's failure: counted towards --max-failed-steps
+        log.exception("a probe step failed too")
+        return False
+    finally:
+        kv.free([seq])

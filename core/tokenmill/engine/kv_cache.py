@@ -1,22 +1,46 @@
-"""The KV cache's one owner: :class:`KVCacheManager` allocates a block pool's blocks to sequences and
-keeps the prefix cache (which blocks hold which prefix); the paged runner only reads the block tables.
-
-A step's life, as the scheduler calls it: :meth:`~KVCacheManager.lookup` (what a waiting sequence
-would find cached), :meth:`~KVCacheManager.allocate` (its cached blocks and its whole context,
-while the step is planned), :meth:`~KVCacheManager.commit` once the forward succeeded (the blocks
-it filled get their names: only then can others find them), :meth:`~KVCacheManager.rollback`
-(rejected drafts), :meth:`~KVCacheManager.free` and :meth:`~KVCacheManager.reset`. A runner that
-keeps its own KV memory (the padded transformers backend, a third-party one) answers the same
-calls through :class:`RunnerKV`.
-"""
+"""The KV cache's one owner: :class:`KVCacheManager` allocates a block pool's blocks to sequences and keeps
+the prefix cache. Per step, the scheduler calls :meth:`~KVCacheManager.lookup` and :meth:`~KVCacheManager.allocate`
+while it plans, :meth:`~KVCacheManager.commit` once the forward succeeded (only then can others find the blocks
+it filled), :meth:`~KVCacheManager.rollback` for drafts, and :meth:`~KVCacheManager.free`; a runner with KV
+memory of its own answers the same calls through :class:`tokenmill.engine.runner_kv.RunnerKV`."""
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from array import array
 
-from tokenmill.engine.prefix import BlockChain, cacheable_blocks, full_block_hashes
 from tokenmill.engine.sequence import Sequence
-from tokenmill.interfaces import NO_HIT, BackendRunner, BlockPool, PrefixHit, blocks_for
+from tokenmill.interfaces import NO_HIT, BlockPool, PrefixHit, blocks_for
+
+
+def block_hash(parent: bytes | None, tokens: list[int], namespace: str = "") -> bytes:
+    """The name of a block holding ``tokens`` after the block named ``parent`` (None: the first block).
+
+    A full block's keys and values depend on its tokens, on every token before it, and on what else changes
+    the model's work: the LoRA adapter and a tenant's ``cache_salt`` (its *namespace*). So two prompts share
+    a block exactly when they share everything up to its end, and tenants with different salts never share
+    one. BLAKE2b (128 bits): no client can craft a prompt whose blocks collide with another's."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent if parent is not None else b"tokenmill-prefix\0" + namespace.encode() + b"\0")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+def full_block_hashes(seq: Sequence, block_size: int, count: int) -> list[bytes]:
+    """The names of ``seq``'s first ``count`` blocks (each full), kept on ``seq.block_hashes`` so each is
+    hashed once: a waiting sequence is looked up at every step until it starts."""
+    memo, tokens = seq.block_hashes, seq.token_ids
+    assert len(tokens) >= count * block_size, "only full blocks have names"
+    for index in range(len(memo), count):
+        block = tokens[index * block_size:(index + 1) * block_size]
+        memo.append(block_hash(memo[-1] if memo else None, block, seq.cache_namespace))
+    return memo[:count]
+
+
+def cacheable_blocks(total_len: int, block_size: int) -> int:
+    """Leading blocks of a context of ``total_len`` tokens that a new sequence may take from the cache:
+    whole blocks, leaving at least the last token to compute (its logits give the next token)."""
+    return (total_len - 1) // block_size
 
 
 class KVCacheManager:
@@ -27,8 +51,8 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         """Set where the runner enabled it (its pool is a :class:`CachingBlockPool`)."""
         self.block_size = pool.block_size
-        self._chains: dict[int, BlockChain] = {}
-        """Per sequence holding blocks (prefix caching): the names of the blocks it has filled."""
+        self._named: dict[int, int] = {}
+        """Per sequence holding blocks (prefix caching): how many of its leading blocks have their names given."""
         self._unnamed: dict[int, list[tuple[int, bytes]]] = {}
         """Per sequence: the blocks its coming forward fills, and their names, given at :meth:`commit`."""
         self._planned: dict[bytes, int] = {}
@@ -101,7 +125,7 @@ class KVCacheManager:
             raise MemoryError(f"the KV pool has no room for sequence {seq.id} ({seq.total_len} tokens)")
         if blocks:
             self.pool.share(seq.id, blocks)  # type: ignore[attr-defined]
-        self._chains[seq.id] = BlockChain(seq.cache_namespace, self.block_size, hashes)
+        self._named[seq.id] = len(blocks)
         seq.num_computed = len(blocks) * self.block_size
 
     def allocate_decode(self, seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -122,13 +146,14 @@ class KVCacheManager:
     def _name_filled(self, seq: Sequence, computed: int) -> None:
         """Give the names of the blocks that are full once ``seq``'s first ``computed`` tokens are in the
         cache, to be committed after the forward."""
-        chain = self._chains.get(seq.id)
-        if chain is None or chain.tokens >= computed:
+        named, full = self._named.get(seq.id), computed // self.block_size
+        if named is None or named >= full:
             return
-        table = self.pool.blocks_of(seq.id)
-        for index, block_hash in chain.extend(seq.token_ids[chain.tokens:computed]):
-            self._unnamed.setdefault(seq.id, []).append((table[index], block_hash))
-            self._planned.setdefault(block_hash, table[index])
+        table, hashes = self.pool.blocks_of(seq.id), full_block_hashes(seq, self.block_size, full)
+        for index in range(named, full):
+            self._unnamed.setdefault(seq.id, []).append((table[index], hashes[index]))
+            self._planned.setdefault(hashes[index], table[index])
+        self._named[seq.id] = full
 
     # ---- after the step --------------------------------------------------------------------------
 
@@ -152,12 +177,8 @@ class KVCacheManager:
         start, draft = self._drafted.pop(seq.id, (0, ()))
         if not draft or seq.num_computed < start:  # none, or it got no token (cancelled, failed): it ends now
             return
-        chain = self._chains.get(seq.id)
-        accepted = seq.num_computed - start
-        if chain is not None and accepted > 0:
-            table = self.pool.blocks_of(seq.id)
-            for index, block_hash in chain.extend(list(draft[:accepted])):
-                self.pool.name(table[index], block_hash)  # type: ignore[attr-defined]
+        self._name_filled(seq, seq.num_computed)
+        self.commit([seq])
         self._truncate(seq)
 
     def _truncate(self, seq: Sequence) -> None:
@@ -169,7 +190,7 @@ class KVCacheManager:
         """``seqs`` let go of their blocks (named ones stay cached): each holds nothing, so has computed nothing."""
         for seq in seqs:
             self.pool.free(seq.id)
-            self._chains.pop(seq.id, None)
+            self._named.pop(seq.id, None)
             self._drafted.pop(seq.id, None)
             for block, block_hash in self._unnamed.pop(seq.id, ()):
                 if self._planned.get(block_hash) == block:
@@ -182,7 +203,7 @@ class KVCacheManager:
         self.pool.free_all()
         if self.prefix_caching:
             self.pool.drop_cached()  # type: ignore[attr-defined]
-        self._chains.clear()
+        self._named.clear()
         self._unnamed.clear()
         self._planned.clear()
         self._drafted.clear()
@@ -192,73 +213,3 @@ class KVCacheManager:
     def drop_cached(self) -> int:
         """Free every cached block that no sequence holds; how many (``POST /reset_prefix_cache``)."""
         return self.pool.drop_cached() if self.prefix_caching else 0  # type: ignore[attr-defined]
-
-
-class RunnerKV:
-    """The same calls for a runner that keeps its own KV memory (no ``kv_pool``): each goes to the
-    runner's method of hooks 1.x (``prefix_hit``, ``plan_prefill``, ``rollback``, ``release``, ...)."""
-
-    def __init__(self, runner: BackendRunner) -> None:
-        self.runner = runner
-        self.prefix_caching = bool(getattr(runner, "prefix_caching", False))
-        self.block_size = runner.kv_block_size
-
-    def free_tokens(self) -> int | None:
-        return self.runner.kv_free_tokens()
-
-    def usage(self) -> dict[str, int]:
-        return self.runner.kv_usage()
-
-    def can_decode(self, seqs: list[Sequence]) -> bool:
-        return self.runner.can_decode(seqs)
-
-    def lookup(self, seq: Sequence, planned: frozenset[bytes] = frozenset()) -> PrefixHit:
-        return self.runner.prefix_hit(seq, planned) if self.prefix_caching and not seq.num_computed else NO_HIT
-
-    prefix_hit = lookup
-
-    def allocate(self, seq: Sequence, cached: int, chunk: int) -> None:
-        if not self.prefix_caching:
-            return
-        fresh = not seq.num_computed
-        if fresh:
-            seq.num_computed = cached
-        try:
-            self.runner.plan_prefill(seq, chunk)
-        except BaseException:
-            if fresh:
-                seq.num_computed = 0
-            raise
-
-    def allocate_decode(self, seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        return list(drafts)  # the runner feeds what its memory holds
-
-    def commit(self, seqs: Any) -> None:
-        """The runner named its blocks in its step."""
-
-    def drop_drafts(self, seqs: Any) -> None:
-        """The runner dropped them when its step failed."""
-
-    def rollback(self, seq: Sequence) -> None:
-        self.runner.rollback([seq])
-
-    def free(self, seqs: list[Sequence]) -> None:
-        self.runner.release(seqs)
-        for seq in seqs:
-            seq.num_computed = 0
-
-    def reset(self, seqs: list[Sequence]) -> None:
-        self.runner.reset()
-        for seq in seqs:
-            seq.num_computed = 0
-
-    def drop_cached(self) -> int:
-        return self.runner.reset_prefix_cache() if self.prefix_caching else 0
-
-
-def kv_cache_for(runner: BackendRunner) -> KVCacheManager | RunnerKV:
-    """The manager of a runner's KV memory: the engine's own over its ``kv_pool``, else the runner's."""
-    pool = getattr(runner, "kv_pool", None)
-    if pool is None:
-        return RunnerKV(runner)
-    return KVCacheManager(pool, bool(getattr(runner, "prefix_caching", False)))

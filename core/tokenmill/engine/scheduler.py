@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenmill.engine.kv_cache import kv_cache_for
 from tokenmill.engine.output import Output, emit
+from tokenmill.engine.plan import StepPlan
 from tokenmill.engine.registry import LiveSequences
+from tokenmill.engine.runner_kv import kv_cache_for
 from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import ErrorEvent, Sequence
 from tokenmill.engine.speculation import Speculator
@@ -22,30 +22,6 @@ from tokenmill.engine.timing import Speculated
 from tokenmill.interfaces import BackendRunner, SchedulerQueue, StepBudget, StepOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's work: the sequences that prefill (with how many of their pending tokens each)
-    and those that decode one token, or more where they have a draft to verify."""
-
-    prefill: tuple[Sequence, ...]
-    chunks: tuple[int, ...]
-    decode: tuple[Sequence, ...]
-    drafts: tuple[tuple[int, ...], ...] = ()
-    """With ``--speculate``: per decoding sequence, the draft tokens fed after its newest (``()``: none drafts)."""
-    cached: tuple[int, ...] = ()
-    """Per prefilling sequence, the tokens it took from the prefix cache in this step (``()``: none did).
-    Blocks named in this step may be among them: only this step's forward computes those."""
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
-    @property
-    def method(self) -> str:
-        """TGI's name of the step in its metrics: ``prefill`` when anything prefills, else ``decode``."""
-        return "prefill" if self.prefill else "decode"
 
 
 class Scheduler:
@@ -73,11 +49,8 @@ class Scheduler:
         self.suspensions = 0
         self.prefix_caching = self.kv.prefix_caching
         """Whether sequences start from cached prefixes (see :meth:`KVCacheManager.lookup`)."""
-        self.prefix_queried_tokens = 0
-        """Tokens of the sequences started (or restarted after a preemption) that were looked up in the prefix
-        cache ..."""
-        self.prefix_hit_tokens = 0
-        """... and of those, the tokens found there."""
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        """Tokens of the sequences (re)started that were looked up in the prefix cache, and those found there."""
         self.speculator: Speculator | None = None
         """With ``--speculate``: the decoding sequences' drafts (the runner is ``speculative``)."""
 
@@ -94,19 +67,9 @@ class Scheduler:
         prefill = self._plan_prefill()
         seqs, chunks, cached = (tuple(column) for column in zip(*prefill)) if prefill else ((), (), ())
         decode = tuple(self.decoding())
-        drafts = self._drafts(decode, sum(chunks))
+        drafts = self.speculator.propose(decode, sum(chunks)) if self.speculator is not None and decode else ()
         fed = tuple(self.kv.allocate_decode(list(decode), list(drafts))) if decode else ()
         return StepPlan(seqs, chunks, decode, fed if any(fed) else (), cached)
-
-    def _drafts(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """The speculator's drafts for ``decode``; none when it is off or failed (the step goes on without)."""
-        if self.speculator is None or not decode:
-            return ()
-        try:
-            return self.speculator.propose(decode, prefill_tokens)
-        except Exception:  # noqa: BLE001 - drafts are an optimisation: a step without them is still right
-            log.exception("proposing drafts failed; this step decodes without them")
-            return ()
 
     def decoding(self) -> list[Sequence]:
         """The running sequences that decode this step: not those whose reader lags behind

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -218,3 +219,13 @@ def queue_entry(seq: Sequence, state: str, now: float) -> dict[str, Any]:
             "unsent_tokens": seq.stream.unsent(), "cached_tokens": seq.cached_tokens,
             "adapter_id": seq.request.adapter_id,
             "preempted": seq.admitted_at is not None and state == "waiting"}
+
+
+def queue_snapshot(incoming: list[Sequence], waiting: tuple[Sequence, ...], prefilling: tuple[Sequence, ...],
+               running: tuple[Sequence, ...], paused: Callable[[Sequence], bool]) -> dict[str, list[dict[str, Any]]]:
+    """How ``GET /queue`` shows the pending sequences (``incoming`` then ``waiting``) and the running ones
+    (``prefilling`` then ``running``, some of them ``paused``): ids, classes, lengths and times; never prompt text."""
+    now = time.monotonic()
+    return {"pending": [queue_entry(s, "waiting", now) for s in incoming + list(waiting)],
+            "running": [queue_entry(s, "prefilling", now) for s in prefilling]
+            + [queue_entry(s, "paused" if paused(s) else "decoding", now) for s in running]}

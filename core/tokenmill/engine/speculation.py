@@ -15,6 +15,7 @@ much as any other.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from tokenmill.engine.sequence import Sequence
@@ -31,6 +32,8 @@ forward costs about the same from 1 to ~30 tokens."""
 
 MAX_PAUSE = 32
 """The longest pause after misses, in tokens generated without drafting."""
+
+log = logging.getLogger(__name__)
 
 
 class NgramIndex:
@@ -94,7 +97,15 @@ class Speculator:
         self.step_tokens = step_tokens
 
     def propose(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """The drafts of ``decode``'s sequences (in its order; empty ones included), or () when none drafts."""
+        """The drafts of ``decode``'s sequences (in its order; empty ones included), or () when none drafts or
+        drafting failed: drafts are an optimisation, a step without them is still right."""
+        try:
+            return self._propose(decode, prefill_tokens)
+        except Exception:  # noqa: BLE001 - logged; this step decodes without drafts
+            log.exception("proposing drafts failed; this step decodes without them")
+            return ()
+
+    def _propose(self, decode: tuple[Sequence, ...], prefill_tokens: int) -> tuple[tuple[int, ...], ...]:
         room = self.step_tokens - prefill_tokens - len(decode)
         drafts: list[tuple[int, ...]] = []
         for seq in decode:

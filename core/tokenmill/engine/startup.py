@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
+import torch
 
 from tokenmill.config import Config
 from tokenmill.engine import Engine, eos_ids_of, eos_token_ids
 from tokenmill.engine.scheduling import Admission
+from tokenmill.engine.sequence import ErrorEvent, Event, GenerationRequest, Sequence, TokenEvent
 from tokenmill.engine.speculation import STEP_TOKENS, FixedDrafts, Speculator
 from tokenmill.interfaces import BatchLimits, EngineSetup
 from tokenmill.kernels import native as native_kernels
@@ -34,6 +36,7 @@ from tokenmill.model.loading import (
 )
 from tokenmill.model.quantization import choose_quantizer
 from tokenmill.plugin_manager import AUTO_BACKENDS, Chosen, PluginError, choose_all
+from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +241,12 @@ def warm_up(engine: Engine, config: Config, stages: Stages, token_ids_below: int
     prompt_tokens = min(16, config.max_input_tokens, config.max_batch_prefill_tokens)
     speculator = engine.scheduler.speculator
     if speculator is None:
-        stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below), detail=detail)
+        stages.run("warm-up", lambda: run_warm_up(engine, prompt_tokens, token_ids_below), detail=detail)
         return
     # Made-up drafts, and a third token (a decode step with room for a draft): the warm-up verifies one too.
     engine.scheduler.speculator = FixedDrafts(speculator.tokens, speculator.step_tokens)
     try:
-        stages.run("warm-up", lambda: engine.warm_up(prompt_tokens, token_ids_below, new_tokens=3), detail=detail)
+        stages.run("warm-up", lambda: run_warm_up(engine, prompt_tokens, token_ids_below, new_tokens=3), detail=detail)
     finally:
         engine.scheduler.speculator = speculator
 
@@ -293,3 +296,18 @@ def settings_unavailable_reason(config: Config, chosen: Chosen, device_type: str
                 f"(flash-attn reads float16 and bfloat16 caches only); got --backend {chosen.backend.name} "
                 f"--attention {chosen.attention.name}")
     return None
+
+
+def run_warm_up(engine: Engine, prompt_tokens: int, vocab_size: int, new_tokens: int = 2, max_steps: int = 100) -> None:
+    """Run one small request of random token ids through the engine's prefill and decode steps, before serving."""
+    prompt = torch.randint(0, vocab_size, (prompt_tokens,)).tolist()
+    events: list[Event] = []
+    engine.queue.add(Sequence(GenerationRequest("", prompt, new_tokens, SamplingParams()), events.append, None))
+    for _ in range(max_steps):
+        engine.step()
+        errors = [e.message for e in events if isinstance(e, ErrorEvent)]
+        if errors:
+            raise RuntimeError(errors[0])
+        if any(isinstance(e, TokenEvent) and e.final for e in events):
+            return
+    raise RuntimeError(f"the warm-up did not finish in {max_steps} steps (is the prefill budget too small?)")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from tokenmill.engine.scheduler import Scheduler, StepPlan
-from tokenmill.engine.sequence import GenerationRequest, Sequence
+from tokenmill.engine.health import probe
+from tokenmill.engine.plan import StepPlan
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.timing import StepClock, StepTiming
 from tokenmill.interfaces import StepOutput
-from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class StepExecution:
             if isolated is None:
                 message = f"generation failed: {type(error).__name__}: {error}"
                 self.scheduler.fail(list(plan.prefill + plan.decode), message)
-            return clock.timing(ok=bool(isolated) or self.probe())
+            return clock.timing(ok=bool(isolated) or probe(self.scheduler.runner, self.scheduler.kv))
         clock.forwarded()
         try:
             speculated = self.scheduler.update_from_output(plan, out)
@@ -45,7 +45,7 @@ class StepExecution:
             return clock.timing(ok=True)
         # A prefill the backend failed alone (the transformers runner's own isolation) is the engine's
         # failure only if the device fails a probe too; decoding rows that ran in the same step show it works.
-        ok = out.prefill_error is None or bool(plan.decode) or self.probe()
+        ok = out.prefill_error is None or bool(plan.decode) or probe(self.scheduler.runner, self.scheduler.kv)
         return clock.timing(ok=ok, speculated=speculated)
 
     def forward(self, plan: StepPlan) -> StepOutput:
@@ -85,17 +85,3 @@ class StepExecution:
             self.scheduler.fail(list(part.prefill + part.decode), f"generation failed: {type(error).__name__}: {error}")
             return False
         return True
-
-    def probe(self) -> bool:
-        """After a step whose every part failed: whether a made-up one-token prefill runs, that is,
-        whether the failure was its requests' own and the engine can still serve."""
-        kv = self.scheduler.kv
-        probe = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)
-        try:
-            kv.allocate(probe, 0, 1)
-            return self.scheduler.runner.step([probe], [1], [False], []).prefill_error is None
-        except Exception:  # noqa: BLE001 - the engine's failure: counted towards --max-failed-steps
-            log.exception("a probe step failed too")
-            return False
-        finally:
-            kv.free([probe])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.engine.kv_cache import RunnerKV
 from tokenmill.engine.output import Output
+from tokenmill.engine.runner_kv import RunnerKV
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling import Admission
 from tokenmill.engine.sequence import Sequence

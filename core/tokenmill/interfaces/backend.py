@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.engine import Engine
     from tokenmill.engine.sequence import Sequence
     from tokenmill.interfaces.attention import AttentionKernel
-    from tokenmill.interfaces.kv import PrefixHit
+    from tokenmill.interfaces.kv import BlockPool, PrefixHit
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,12 @@ class BackendRunner(Protocol):
     """Positions per KV block (1 where memory is not counted in blocks)."""
 
     speculative: bool = False
-    """Whether :meth:`step` takes ``drafts`` and the runner answers :meth:`rollback` (``--speculate``)."""
+    """Whether :meth:`step` takes ``drafts`` (``--speculate``)."""
+    kv_pool: BlockPool | None = None
+    """A runner over a block pool names it here: the engine's KV-cache manager then allocates, names and frees
+    its blocks (:mod:`tokenmill.engine.kv_cache`), the runner only reads each sequence's block table, and the
+    KV calls below (:meth:`can_decode` to :meth:`reset_prefix_cache`) are never made. None: the runner keeps
+    its own KV memory and answers them."""
 
     def step(self, prefill: list[Sequence], chunks: list[int], want_prompt_logits: list[bool],
              decode: list[Sequence], drafts: list[tuple[int, ...]] | None = None) -> StepOutput:
@@ -65,8 +70,8 @@ class BackendRunner(Protocol):
         ...
 
     def rollback(self, seqs: list[Sequence]) -> None:
-        """(``speculative``) After a step with drafts, once the engine appended the tokens it kept: drop the
-        KV of each sequence's positions from its ``num_computed`` on that the step wrote (rejected
+        """(``speculative``, no ``kv_pool``) After a step with drafts, once the engine appended the tokens it
+        kept: drop the KV of each sequence's positions from its ``num_computed`` on that the step wrote (rejected
         drafts), so that its KV memory holds only tokens it kept. Sequences that end in this step are
         among ``seqs`` (released right after); one that got no token (cancelled, failed) has a
         ``num_computed`` below its draft's first position and needs nothing."""
