@@ -13,10 +13,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.sequence import GenerationRequest, Sequence
 from tokenmill.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.engine.runner_kv import RunnerKV
+    from tokenmill.interfaces import BackendRunner
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,7 @@ class EngineHealth:
                 self.give_up(f"an engine step has run for more than {self.step_timeout:g} s (--step-timeout)")
 
 
-def probe(runner: Any, kv: Any) -> bool:
+def probe(runner: BackendRunner, kv: KVCacheManager | RunnerKV) -> bool:
     """After a step whose every part failed: whether a made-up one-token prefill runs on ``runner`` (its
     memory from ``kv``), that is, whether the failure was its requests' own and the engine can still serve."""
     seq = Sequence(GenerationRequest("", [0], 1, SamplingParams()), lambda event: None, None)

@@ -4,8 +4,6 @@ backend, or a third-party runner without a ``kv_pool`` (hooks 1.x's ``prefix_hit
 
 from __future__ import annotations
 
-from typing import Any
-
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import NO_HIT, BackendRunner, PrefixHit
@@ -50,10 +48,10 @@ class RunnerKV:
     def allocate_decode(self, seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         return list(drafts)  # the runner feeds what its memory holds
 
-    def commit(self, seqs: Any) -> None:
+    def commit(self, seqs: list[Sequence] | tuple[Sequence, ...]) -> None:
         """The runner named its blocks in its step."""
 
-    def drop_drafts(self, seqs: Any) -> None:
+    def drop_drafts(self, seqs: list[Sequence] | tuple[Sequence, ...]) -> None:
         """The runner dropped them when its step failed."""
 
     def rollback(self, seq: Sequence) -> None:
