@@ -167,13 +167,16 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(lora_server, tiny_
         missing = client.post("/adapters", json={"id": "gone", "path": "empty"})  # relative to a --lora-adapter-dir
         embeds = client.post("/adapters", json={"id": "emb", "path": str(embedding)})
         base_id = client.post("/adapters", json={"id": str(tiny_model_dir), "path": str(embedding)})
+        odd_ids = [client.post("/adapters", json={"id": odd, "path": str(embedding)})
+                   for odd in ("a\0b", "org/../ad0", "tab\tname")]
         known = client.get("/adapters").json()["adapters"]
     assert shape.status_code == 422 and "trained for another base model" in shape.json()["error"]
     assert rank.status_code == 422 and "above --max-lora-rank 16" in rank.json()["error"]
     assert missing.status_code == 422 and "no adapter_config.json" in missing.json()["error"]
     assert str(allowed) not in missing.json()["error"]  # errors name the adapter, never a server path
     assert embeds.status_code == 422 and "also changes model.embed_tokens" in embeds.json()["error"]
-    assert base_id.status_code == 422 and "other than the base model's id" in base_id.json()["error"]
+    assert base_id.status_code == 422 and "the base model is served under" in base_id.json()["error"]
+    assert [answer.status_code for answer in odd_ids] == [422] * 3
     assert not {"wrong", "big", "gone", "emb"} & set(known)  # nothing refused is learnt
 
 
@@ -309,3 +312,15 @@ def test_an_adapter_on_smollm2_generates_what_peft_merged_model_does(tmp_path):
             assert with_adapter != greedy(server, None, prompt)
     finally:
         server.stop()
+
+
+def test_an_adapter_may_not_take_a_name_the_base_model_is_served_under():
+    from tokenmill.model.adapters import adapter_id_refusal
+
+    served = frozenset({"org/base", "chat"})
+    assert "served under" in adapter_id_refusal("chat", served)  # every client naming "chat" would get it
+    assert "served under" in adapter_id_refusal("org/base", served)
+    for odd in ("", "a=b", "a,b", "nul\0", "up/../ad", "..", "line\nbreak"):
+        assert adapter_id_refusal(odd, served), odd
+    assert adapter_id_refusal("org/sql-lora", served) is None and adapter_id_refusal("ad0", served) is None
+

@@ -132,7 +132,8 @@ class AdapterCache:
     lock (on the tokenizer thread); pinning is quick and never reads."""
 
     def __init__(self, batch: LoraBatch, limit: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 base_model_id: str | None = None, hub_cache: str | None = None) -> None:
+                 base_model_id: str | None = None, hub_cache: str | None = None,
+                 served_model_name: str | None = None) -> None:
         self.batch = batch
         self.hub_cache = hub_cache
         """Where adapters named by hub id are downloaded (None: the hub client's default cache)."""
@@ -140,6 +141,8 @@ class AdapterCache:
         self.max_rank = max_rank
         self.dtype, self.device = dtype, device
         self.base_model_id = base_model_id
+        self.model_names = frozenset(name for name in (base_model_id, served_model_name) if name)
+        """The names that select the base model: no adapter may take one (every client naming it would get it)."""
         self.sources: dict[str, Path] = {}
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
         """Least recently used first."""
@@ -154,9 +157,9 @@ class AdapterCache:
         """Learn an adapter and load it now, so that a bad one is refused at once (AdapterError) and
         one that finds no free slot is not learnt (AdapterBusy). Later it may be evicted and is then
         reloaded on demand."""
-        if not name or "=" in name or "," in name or name == self.base_model_id:
-            raise AdapterError(f"adapter id {name!r} must be a non-empty name without '=' or ',', other than "
-                               "the base model's id")
+        refusal = adapter_id_refusal(name, self.model_names)
+        if refusal:
+            raise AdapterError(refusal)
         path = locate(source, self.hub_cache)
         with self.lock:
             if name in self.sources and self.sources[name] != path:
@@ -219,6 +222,17 @@ class AdapterCache:
                     "evictions": self.stats.evictions}
 
 
+def adapter_id_refusal(name: str, model_names: frozenset[str]) -> str | None:
+    """Why ``name`` cannot be an adapter's id, or None: it must be a non-empty printable name without '=',
+    ',' or a path step up ('..'), and not a name the base model is served under."""
+    if not name or "=" in name or "," in name or not name.isprintable() or ".." in name.split("/"):
+        return (f"adapter id {name!r} must be a non-empty printable name without '=', ',', control characters "
+                "or '..' steps")
+    if name in model_names:
+        return f"adapter id {name!r} is a name the base model is served under"
+    return None
+
+
 def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> AdapterCache:
     """Wrap the model's layers for LoRA and load the adapters --lora-adapters names."""
     named = config.named_adapters()
@@ -227,7 +241,8 @@ def load_adapters(config: Config, loaded: LoadedModel, stages: Stages) -> Adapte
         try:
             cache = AdapterCache(install(loaded.model), config.adapter_slots, config.max_lora_rank,
                                  loaded.dtype, loaded.device, base_model_id=loaded.model_id,
-                                 hub_cache=getattr(config, "huggingface_hub_cache", None))
+                                 hub_cache=getattr(config, "huggingface_hub_cache", None),
+                                 served_model_name=config.served_model_name)
             for name, source in named:
                 cache.register(name, source)
         except (AdapterError, AdapterBusy) as error:
