@@ -27,6 +27,16 @@ PLUGIN = textwrap.dedent('''
 
         return [explode]
 
+    @tokenmill.hookimpl
+    def tokenmill_request_started(request_id, inputs, parameters):
+        if request_id.startswith("observer-explodes"):
+            raise RuntimeError("the audit log is down")
+
+    @tokenmill.hookimpl
+    def tokenmill_request_finished(request_id, finish_reason, generated_tokens, error):
+        if request_id.startswith("observer-explodes"):
+            raise RuntimeError("the billing service is down")
+
     class Ping:
         async def on_get(self, req, resp):
             resp.media = {"pong": True, "ready": self.state.engine is not None}
@@ -85,3 +95,23 @@ def test_json_output_logs_json_lines(plugin_server):
     records = [json.loads(line) for line in lines]
     assert any(r["message"].startswith("ready:") for r in records)
     assert all({"timestamp", "level", "target", "message"} <= set(r) for r in records)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_an_observer_hook_that_raises_leaves_the_response_intact(plugin_server, path):
+    body = ({"inputs": "Hello", "parameters": {"max_new_tokens": 3}} if path == "/generate"
+            else {"model": "tgi", "prompt": "Hello", "max_tokens": 3})
+    with plugin_server.client() as client:
+        whole = client.post(path, json=body, headers={"X-Request-Id": "observer-explodes-1"})
+        stream_path = "/generate_stream" if path == "/generate" else path
+        with client.stream("POST", stream_path, json={**body, "stream": True},
+                           headers={"X-Request-Id": "observer-explodes-2"}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data:")]
+    assert whole.status_code == 200, whole.text
+    assert stream.status_code == 200 and lines
+    if path == "/generate":
+        assert json.loads(lines[-1][5:])["generated_text"] is not None
+    else:
+        assert lines[-1] == "data: [DONE]"
+    assert plugin_server.log().count("hook tokenmill_request_finished raised") == 1  # logged once, not per request
+

@@ -79,8 +79,8 @@ def build_plugin_manager(autoload: bool | None = None) -> PluginManager:
     ``TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry point; ``TOKENMILL_PLUGINS=a,b``
     loads only those (by entry point or distribution name). A third-party plugin that fails to
     import, was built for other hooks, or implements a hook this version does not have is left
-    out with one line in the log; one whose hook raises later is named in one line and skipped
-    for that call. Either way the built-ins and the other plugins keep working."""
+    out with one line in the log; one whose hook raises later is named in one line (the first time) and
+    skipped for that call. Either way the built-ins and the other plugins keep working."""
     pm = PluginManager()
     pm.add_hookspecs(hookspecs)
     for module_name in BUILTIN_PLUGINS:
@@ -160,13 +160,19 @@ def guard_hooks(pm: PluginManager, plugin: object, name: str, source: str) -> No
 def guarded(function: Callable[..., Any], pm: PluginManager, name: str, source: str, hook: str) -> Callable[..., Any]:
     empty: Any = [] if hook in KIND_HOOKS.values() or hook == "tokenmill_logits_processors" else None
 
+    failures = 0
+
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal failures
         try:
             return function(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - one plugin's failure is its own
-            pm.problems[name] = f"hook {hook} raised {type(error).__name__}: {error}"
-            log.error("plugin %s (%s): %s (skipped)", name, source, pm.problems[name])
+            failures += 1
+            pm.problems[name] = f"hook {hook} raised {type(error).__name__}: {error} ({failures} calls so far)"
+            (log.error if failures == 1 else log.debug)(
+                "plugin %s (%s): hook %s raised %s: %s (skipped%s)", name, source, hook, type(error).__name__,
+                error, "; its later failures are logged at debug level" if failures == 1 else "")
             return empty
 
     return call

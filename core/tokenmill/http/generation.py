@@ -5,6 +5,7 @@ stream until each ends (or the client leaves), and the request reported once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from tokenmill.http.state import ServerState, Slot, adapter_api_error
 from tokenmill.http.validation import Validator
 from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.telemetry import RequestRecord
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -69,6 +72,20 @@ def cancel_on_disconnect(engine: Engine, seq: Sequence, stream: TokenStream) -> 
         stream.close()
 
     return cancel
+
+
+_failed_observers: set[str] = set()
+
+
+def observe(what: str, call: Callable[[], object]) -> None:
+    """Tell an observer (a plugin's hook, the metrics, the trace) about a request: one that raises never
+    changes the response, and is logged once, with its traceback, the first time it does."""
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - an observer's failure is its own
+        if what not in _failed_observers:
+            _failed_observers.add(what)
+            log.exception("%s raised; the response goes on (logged once)", what)
 
 
 @dataclass
@@ -171,8 +188,8 @@ class Generation:
         record.max_new_tokens = request.max_new_tokens
         record.parameters = request.parameters
         record.inputs = request.inputs if self.state.config.log_prompts else None
-        self.state.pm.hook.tokenmill_request_started(
-            request_id=record.request_id, inputs=request.inputs, parameters=request.parameters)
+        observe("tokenmill_request_started", lambda: self.state.pm.hook.tokenmill_request_started(
+            request_id=record.request_id, inputs=request.inputs, parameters=request.parameters))
 
     def finished(self, record: RequestRecord, result: FinalResult | None, error: str | None = None,
                  error_type: str | None = None, generated_tokens: int = 0, cached_tokens: int = 0) -> None:
@@ -187,13 +204,10 @@ class Generation:
         record.generated_tokens = result.generated_tokens if result is not None else generated_tokens
         if error is not None:
             record.error, record.error_type = error, error_type or "generation"
-        self.state.telemetry.request_finished(record)
-        self.state.pm.hook.tokenmill_request_finished(
-            request_id=record.request_id,
-            finish_reason=result.finish_reason if result else None,
-            generated_tokens=record.generated_tokens,
-            error=error,
-        )
+        observe("the request's metrics and trace", lambda: self.state.telemetry.request_finished(record))
+        observe("tokenmill_request_finished", lambda: self.state.pm.hook.tokenmill_request_finished(
+            request_id=record.request_id, finish_reason=result.finish_reason if result else None,
+            generated_tokens=record.generated_tokens, error=error))
 
     async def run_tracked(self, req: falcon.asgi.Request, slot: Slot, jobs: list[Job]
                           ) -> list[FinalResult]:
