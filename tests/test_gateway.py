@@ -50,6 +50,10 @@ def test_models_take_instances_timeouts_and_connection_limits():
     ("small=http://h:1/v1", "must be http://HOST:PORT"),
     ("small=http://h:1,timeout=0", "timeout takes a whole number"),
     ("small=http://h:1,retries=2", "unknown option 'retries'"),
+    ("small=http://127.0.0.1;include /tmp/evil.conf;x:1", "must be http://HOST:PORT"),  # no nginx directives
+    ("small=http://h:1#x", "must be http://HOST:PORT"),
+    ("small=http://user@h:1", "must be http://HOST:PORT"),
+    ("small=http://h{x}:1", "must be http://HOST:PORT"),
 ])
 def test_a_bad_model_is_a_clear_error(spec, said):
     with pytest.raises(GatewayConfigError, match=said):
@@ -59,6 +63,10 @@ def test_a_bad_model_is_a_clear_error(spec, said):
 def test_the_command_exits_2_with_the_reason(capsys):
     assert main(["gateway-config", "--format", "nginx", "--listen", "nowhere", "--model", "a=http://h:1"]) == 2
     assert "--listen 'nowhere': expected HOST:PORT" in capsys.readouterr().err
+    injected = "127.0.0.1;include /tmp/evil.conf;listen 1.2.3.4:8080"
+    assert main(["gateway-config", "--format", "nginx", "--listen", injected, "--model", "a=http://h:1"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and len(said.err.strip().splitlines()) == 1 and "expected HOST:PORT" in said.err
     assert main(["gateway-config", "--format", "nginx"]) == 2
     assert "give at least one --model" in capsys.readouterr().err
 

@@ -3,6 +3,7 @@ from ``tokenmill gateway-config``'s flags, and the JSON bodies of its own answer
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Sequence
@@ -14,6 +15,19 @@ DEFAULT_TIMEOUT_S = 600
 DEFAULT_MAX_CONNECTIONS = 1024
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 """What a model's name may be: it becomes part of an nginx upstream and an Envoy cluster name."""
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){LABEL}(\.{LABEL})*$")
+"""A DNS name (RFC 1123): the only hosts, besides IP addresses, written into a config."""
+
+
+def is_host(text: str) -> bool:
+    """Whether ``text`` is an IP address or a DNS name: nothing else reaches the config (a host such as
+    ``127.0.0.1;include evil.conf`` would become nginx directives)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(HOSTNAME.match(text))
 
 
 class GatewayConfigError(ValueError):
@@ -61,14 +75,16 @@ class Gateway:
 def parse_listen(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise GatewayConfigError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not is_host(host):
+        raise GatewayConfigError(f"--listen {text!r}: expected HOST:PORT (an IP address or a DNS name), "
+                                 "e.g. 0.0.0.0:8080")
     return host, int(port)
 
 
 def parse_instance(name: str, url: str) -> Instance:
     parts = urlsplit(url if "://" in url else "http://" + url)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
+    if (parts.scheme != "http" or not parts.hostname or not is_host(parts.hostname) or parts.username is not None
+            or parts.path not in ("", "/") or parts.query or parts.fragment or "#" in url):
         raise GatewayConfigError(f"--model {name}={url}: the URL must be http://HOST:PORT (the instance's root)")
     try:
         port = parts.port or 80
