@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.config import Config
 from tokenmill.engine.sequence import PRIORITY_CLASSES, GenerationRequest, SamplingParams
 from tokenmill.http.fields import ValidationError, is_number, typed_field
+from tokenmill.http.schemas.tgi import MAX_STOP_TOKEN_IDS
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
 
@@ -50,6 +51,8 @@ def stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise ValidationError(f"`stop_token_ids` must be a list of integers, got {value!r}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError(f"`stop_token_ids` holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
     if any(not 0 <= i < vocab_size for i in value):
         raise ValidationError(f"`stop_token_ids` must be token ids >= 0 and < {vocab_size}, got {value!r}")
     return tuple(dict.fromkeys(value))

@@ -25,7 +25,7 @@ from tokenmill.http.schemas.kinds import (
     number,
     one_of,
 )
-from tokenmill.http.schemas.tgi import RequestModel, ResponseModel, TokenIds
+from tokenmill.http.schemas.tgi import MAX_STOP_TOKEN_IDS, RequestModel, ResponseModel, TokenIds
 
 Stop = Annotated[String | list[String], one_of("a string or a list of strings")]
 LogitBias = Annotated[dict[str, Number] | list[Number], one_of("an object of token ids to numbers")]
@@ -59,7 +59,8 @@ class SamplingFields(RequestModel):
         None, description="Drop tokens less likely than min_p times the most likely one")
     min_tokens: integer(minimum=0) | None = Field(None, description="Generate at least this many tokens")
     ignore_eos: Boolean | None = Field(None, description="Do not stop at EOS")
-    stop_token_ids: TokenIds | None = Field(None, description="Stop when one of these tokens is generated")
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                           description="Stop when one of these tokens is generated")
     logit_bias: LogitBias | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; TGI's list form "
                           "is taken too")

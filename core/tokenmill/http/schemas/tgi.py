@@ -68,6 +68,8 @@ class GrammarType(RootModel[Annotated[JsonGrammar | RegexGrammar | JsonSchemaGra
 
 
 TokenIds = Annotated[list[integer(minimum=0)], one_of("a list of token ids (integers)")]
+MAX_STOP_TOKEN_IDS = 1024
+"""The most ``stop_token_ids`` a request may give: each generated token is checked against them."""
 GRAMMAR_KINDS = ("json", "json_schema", "regex")
 
 
@@ -137,7 +139,8 @@ class GenerateParameters(RequestModel):
     min_tokens: integer(minimum=0) | None = Field(
         None, description="Generate at least this many tokens before EOS, stop tokens or stop sequences end it")
     ignore_eos: Boolean = Field(False, description="Do not stop at EOS (vLLM's)")
-    stop_token_ids: TokenIds | None = Field(None, description="Stop when one of these tokens is generated")
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                           description="Stop when one of these tokens is generated")
     logit_bias: dict[str, Number] | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit")
     priority: string(enum=list(PRIORITY_CLASSES)) = Field(
