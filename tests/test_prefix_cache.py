@@ -595,6 +595,17 @@ def test_reset_prefix_cache_wants_the_api_key_and_drops_the_cached_blocks(cachin
     assert metric(caching_server, "tokenmill_prefix_cache_blocks") > 0  # that request's blocks, cached again
 
 
+@pytest.mark.parametrize("headers", [{"Origin": "http://intranet.example"}, {"Sec-Fetch-Site": "cross-site"}])
+def test_a_web_page_of_another_site_cannot_reset_the_prefix_cache(caching_server, headers):
+    with caching_server.client() as client:
+        refused = client.post("/reset_prefix_cache", headers={**AUTH, **headers})
+        host = caching_server.url.split("://", 1)[1]
+        same_site = client.post("/reset_prefix_cache", headers={**AUTH, "Origin": f"http://{host}"})
+    assert refused.status_code == 403 and refused.json()["error_type"] == "forbidden"
+    assert "another site" in refused.json()["error"] or "Origin" in refused.json()["error"]
+    assert same_site.status_code == 200
+
+
 @pytest.mark.slow
 def test_prefix_caching_0_turns_the_cache_off(tiny_model_dir, tmp_path):
     import openai

@@ -133,3 +133,17 @@ def test_a_lone_surrogate_escape_is_a_422_not_a_crash(server, route, body):
     with server.client() as client:
         answer = client.post(route, content=body, headers={"Content-Type": "application/json"})
     assert "lone UTF-16 surrogate" in error_of(answer)
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_a_415(server, route, content_type):
+    body = b'{"inputs": "Hi", "prompt": "Hi", "parameters": {"max_new_tokens": 2}, "max_tokens": 2}'
+    headers = {"Content-Type": content_type} if content_type else {}
+    with server.client() as client:
+        answer = client.post(route, content=body, headers=headers)  # what a web page's "no-cors" POST can send
+        typed = client.post(route, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert answer.status_code == 415 and "Content-Type: application/json" in answer.json()["error"]
+    assert set(answer.json()) == {"error", "error_type"}
+    assert typed.status_code == 200, typed.text
+

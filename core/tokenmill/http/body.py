@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 import falcon.asgi
@@ -34,7 +35,17 @@ async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
     return body
 
 
+def is_json_media(content_type: str | None) -> bool:
+    """Whether a ``Content-Type`` says JSON (``application/json``, or ``application/<x>+json``), as TGI's
+    routes require: a browser's cross-site "simple" request can send only text and form types."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def _read_json(req: falcon.asgi.Request, limit: int) -> Any:
+    if not is_json_media(req.content_type):
+        raise ApiError(415, "the request body must be JSON, sent with the header `Content-Type: application/json`",
+                       "validation")
     if req.content_length is not None and req.content_length > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
     raw = await req.stream.read(limit + 1)
@@ -82,3 +93,18 @@ def _is_unicode(text: str) -> bool:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def cross_site_refusal(req: falcon.asgi.Request, trusted: Collection[str] = ()) -> str | None:
+    """Why a request that changes the server's state looks sent by a web page of another site than this
+    server or the ``trusted`` origins, or None: browsers say so in ``Sec-Fetch-Site`` and name the page's
+    origin in ``Origin``; clients outside a browser send neither."""
+    origin = req.get_header("Origin")
+    if origin is not None and origin.rstrip("/") in trusted:
+        return None
+    if (req.get_header("Sec-Fetch-Site") or "").lower() == "cross-site":
+        return "it comes from a web page of another site"
+    host = req.get_header("Host") or ""
+    if origin is not None and origin.split("://", 1)[-1].rstrip("/").lower() != host.lower():
+        return f"its Origin ({origin}) is neither this server ({host}) nor one --cors-allow-origin names"
+    return None

@@ -11,7 +11,7 @@ import falcon
 import falcon.asgi
 
 from tokenmill import __version__
-from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.body import ApiError, cross_site_refusal, read_json
 from tokenmill.http.state import ServerState, adapter_api_error
 from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.hub import is_repo_id
@@ -63,6 +63,7 @@ class AdaptersRoute:
         resp.media = {"adapters": cache.names, **cache.usage()}
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        refuse_cross_site(req, self.state.config.cors_allow_origin)
         cache = self.cache()
         config = self.state.config
         if not config.api_key and not config.allow_adapter_loading:
@@ -80,6 +81,16 @@ class AdaptersRoute:
             raise adapter_api_error(error) from None
         resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),
                       "path": str(adapter.path)}
+
+
+def refuse_cross_site(req: falcon.asgi.Request, cors_allow_origin: str | None) -> None:
+    """A 403 for a request that changes the server's state (an adapter, the prefix cache) from another
+    site's web page (other than the origins ``--cors-allow-origin`` lists; its ``*`` trusts none here):
+    without this, a page on the same network could do so with a "no-cors" POST."""
+    trusted = [origin.strip().rstrip("/") for origin in (cors_allow_origin or "").split(",") if origin.strip()]
+    why = cross_site_refusal(req, [origin for origin in trusted if origin != "*"])
+    if why:
+        raise ApiError(403, f"{req.method} {req.path} is refused: {why}", "forbidden")
 
 
 def hub_only(name: str) -> str:
@@ -114,6 +125,7 @@ class ResetPrefixCacheRoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        refuse_cross_site(req, self.state.config.cors_allow_origin)
         engine = self.state.ready_engine()
         loop = asyncio.get_running_loop()
         dropped: asyncio.Future[int] = loop.create_future()
