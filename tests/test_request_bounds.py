@@ -4,7 +4,10 @@ names the limit), and none of it runs on the event loop."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -15,12 +18,15 @@ from tokenmill.http.body import MAX_JSON_DEPTH
 from tokenmill.http.openai.chat import MAX_TOOLS
 from tokenmill.http.validation import MAX_STOP_CHARACTERS
 
+BODY_SECONDS = 2
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory) -> Iterator[RunningServer]:
     running = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "1024",
                             "--max-top-n-tokens", "2", "--max-concurrent-requests", "2", "--stream-buffer-tokens",
-                            "4", "--backend", "paged"], tmp_path_factory.mktemp("bounds"))
+                            "4", "--backend", "paged", "--body-read-timeout", str(BODY_SECONDS)],
+                           tmp_path_factory.mktemp("bounds"))
     yield running
     running.stop()
 
@@ -78,7 +84,7 @@ def test_openai_log_probabilities_obey_max_top_n_tokens(server):
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions", "/v1/completions"])
 def test_deeply_nested_json_is_a_422_not_a_crash(server, route):
-    deep = b"[" * 200_000 + b"]" * 200_000
+    deep = b"[" * 60_000 + b"]" * 60_000  # under the count of values a body may hold
     nested = {"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": {}}}}
     value = nested["parameters"]["grammar"]["value"]
     for _ in range(MAX_JSON_DEPTH):
@@ -146,4 +152,55 @@ def test_a_body_not_sent_as_json_is_a_415(server, route, content_type):
     assert answer.status_code == 415 and "Content-Type: application/json" in answer.json()["error"]
     assert set(answer.json()) == {"error", "error_type"}
     assert typed.status_code == 200, typed.text
+
+
+def stalled_body(url: str) -> socket.socket:
+    """A connection that sends a POST's headers and one byte of its body, then nothing."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(b"POST /generate HTTP/1.1\r\nHost: tokenmill\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000000\r\n\r\n{")
+    return connection
+
+
+def test_clients_that_send_their_bodies_slowly_hold_no_slot_past_the_body_timeout(server):
+    stalled = [stalled_body(server.url) for _ in range(2 + 8)]  # --max-concurrent-requests 2, and 8 more
+    started = time.monotonic()
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
+    try:
+        with server.client() as client:
+            while (answer := client.post("/generate", json=body)).status_code != 200:
+                assert answer.status_code == 429, answer.text
+                assert time.monotonic() - started < BODY_SECONDS + 30, "the stalled bodies kept their slots"
+                time.sleep(0.1)
+            waited = time.monotonic() - started
+            firsts = [connection.recv(200).split(b" ", 2)[1] for connection in stalled]
+            both = [client.post("/generate", json=body).status_code for _ in range(2)]
+    finally:
+        for connection in stalled:
+            connection.close()
+    assert waited < BODY_SECONDS + 30 and set(firsts) <= {b"408", b"429"} and firsts.count(b"408") >= 2
+    assert both == [200, 200]
+
+
+def test_large_bodies_are_parsed_off_the_event_loop_so_health_answers_throughout(tiny_server):
+    body = json.dumps({"model": "tiny", "prompt": [[1]] * 390_000, "max_tokens": 1}).encode()  # 1.95 MB of ids
+    answers: list[int] = []
+
+    def send() -> None:  # encoded once, above: the senders hold no lock the probe below would wait for
+        answers.append(httpx.post(f"{tiny_server.url}/v1/completions", content=body, timeout=120,
+                                  headers={"Content-Type": "application/json"}).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(8)]
+    for sender in senders:
+        sender.start()
+    slowest = 0.0
+    with tiny_server.client() as client:
+        while any(sender.is_alive() for sender in senders):
+            started = time.monotonic()
+            assert client.get("/health", timeout=10).status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.05)
+    assert answers == [422] * 8  # too many prompts, said without decoding them all first or not
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the bodies were read"
 

@@ -58,6 +58,7 @@ class Config:
     hostname: str = "0.0.0.0"
     port: int = 3000
     payload_limit: int = 2_000_000
+    body_read_timeout: float = 30.0
     graceful_termination_timeout: int = 90
     max_failed_steps: int = 5
     step_timeout: float = 600.0
@@ -114,7 +115,7 @@ class Config:
         positive = ("stream_buffer_tokens", "max_concurrent_requests", "max_failed_steps", "step_timeout",
                     "stream_idle_timeout", "validation_workers", "max_input_tokens", "max_total_tokens",
                     "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "payload_limit",
-                    "block_size")
+                    "block_size", "body_read_timeout")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import threading
 from collections.abc import Collection
 from typing import Any
 
 import falcon.asgi
+
+from tokenmill.config import Config
 
 MAX_JSON_DEPTH = 64
 """The deepest a request body may nest lists and objects (a JSON schema or a tool's parameters need far fewer)."""
@@ -25,12 +30,20 @@ class ApiError(Exception):
         return {"error": self.message, "error_type": self.error_type}
 
 
-async def read_json(req: falcon.asgi.Request, limit: int) -> Any:
-    """The request's JSON body, checked; read once (a route that dispatches on the body, as SageMaker's
-    /invocations does, leaves it in ``req.context`` for the route it hands over to)."""
+MIN_VALUE_LIMIT = 65_536
+PARSED_OFF_LOOP_BYTES = 64_000
+"""Bodies at least this large are parsed and checked on a thread, one at a time: a 2 MB body takes about
+a second, which on the event loop would stall every stream and the readiness probe."""
+
+
+async def read_json(req: falcon.asgi.Request, config: Config) -> Any:
+    """The request's JSON body, checked: at most ``--payload-limit`` bytes, read within
+    ``--body-read-timeout`` seconds (408 after it), holding at most :func:`value_limit` values. Read
+    once (a route that dispatches on the body, as SageMaker's /invocations does, leaves it in
+    ``req.context`` for the route it hands over to)."""
     if "json_body" in req.context:
         return req.context["json_body"]
-    body = await _read_json(req, limit)
+    body = await _read_json(req, config.payload_limit, config.body_read_timeout, value_limit(config))
     req.context["json_body"] = body
     return body
 
@@ -42,15 +55,59 @@ def is_json_media(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _read_json(req: falcon.asgi.Request, limit: int) -> Any:
+def value_limit(config: Config) -> int:
+    """The most values (list items and object members) a body may hold: room for the most prompts a
+    request may give (``--max-client-batch-size``) as token ids up to ``--max-input-tokens``, and never
+    fewer than :data:`MIN_VALUE_LIMIT`. Checked before the body's shape is read: reading a 2 MB list of
+    lists holds the interpreter for seconds, whatever thread it runs on."""
+    prompts = config.max_client_batch_size * (config.max_input_tokens or 0)
+    return max(MIN_VALUE_LIMIT, prompts + MIN_VALUE_LIMIT // 16)
+
+
+async def _read_json(req: falcon.asgi.Request, limit: int, timeout: float | None, max_values: int) -> Any:
     if not is_json_media(req.content_type):
         raise ApiError(415, "the request body must be JSON, sent with the header `Content-Type: application/json`",
                        "validation")
     if req.content_length is not None and req.content_length > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
-    raw = await req.stream.read(limit + 1)
+    try:
+        raw = await asyncio.wait_for(req.stream.read(limit + 1), timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--body-read-timeout)",
+                       "validation") from None
     if len(raw) > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
+    if len(raw) >= PARSED_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_large_json, raw, max_values)
+    return parse_json(raw, max_values)
+
+
+_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"')
+
+
+def values_in(raw: bytes) -> int:
+    """At least as many as the list items and object members of a JSON text, counted on its bytes (its
+    separators and openings outside strings) in milliseconds, before ``json.loads`` holds the interpreter."""
+    bare = _STRING.sub(b'""', raw)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+
+
+_parsing_large = threading.Lock()
+
+
+def parse_large_json(raw: bytes, max_values: int) -> Any:
+    """:func:`parse_json` for a large body, one at a time: ``json.loads`` holds the interpreter until it
+    returns, so several at once would keep the event loop waiting for each in turn."""
+    with _parsing_large:
+        return parse_json(raw, max_values)
+
+
+def parse_json(raw: bytes, max_values: int | None = None) -> Any:
+    """A body's JSON, checked (:func:`body_problem`) and, before it is parsed, counted: at most
+    ``max_values`` list items and object members; an ApiError (422) says what is wrong."""
+    if max_values is not None and values_in(raw) > max_values:
+        raise ApiError(422, f"the request body holds more than {max_values} values (list items and object "
+                            "members, all told)", "validation")
     try:
         body = json.loads(raw or b"null", parse_constant=_reject_constant)
     except RecursionError:

@@ -69,7 +69,7 @@ class AdaptersRoute:
         if not config.api_key and not config.allow_adapter_loading:
             raise ApiError(403, "loading adapters at run time needs --api-key (or, on a trusted network, "
                                 "--allow-adapter-loading)", "forbidden")
-        body = await read_json(req, config.payload_limit)
+        body = await read_json(req, config)
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(
                 body.get("path", body.get("id")), str):
             raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")

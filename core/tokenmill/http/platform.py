@@ -43,7 +43,7 @@ class InvocationsRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.state.ready_engine()
-        body = await read_json(req, self.state.config.payload_limit)
+        body = await read_json(req, self.state.config)
         route = self.generate
         if isinstance(body, dict) and "messages" in body:
             route = self.chat

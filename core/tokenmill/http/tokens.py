@@ -41,7 +41,7 @@ class ChatTokenizeRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         state = self.state
         validator = serving_validator(state)
-        body = await read_json(req, state.config.payload_limit)
+        body = await read_json(req, state.config)
         try:
             check_body(ChatRequest, body)
         except ValidationError as error:
@@ -81,7 +81,7 @@ class DetokenizeRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         state = self.state
         vocab_size = serving_validator(state).vocab_size
-        body = await read_json(req, state.config.payload_limit)
+        body = await read_json(req, state.config)
         tokens = token_ids(body, vocab_size)
         text = await state.workers.validate(lambda validator: validator.tokenizer.decode(tokens))
         resp.media = {"prompt": text}

@@ -10,15 +10,15 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent
-from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.body import read_json
 from tokenmill.http.context import header_priority, record_of
-from tokenmill.http.fields import ValidationError
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
-from tokenmill.http.openai.parse import parse_chat, parse_completion
+from tokenmill.http.openai.parse import OpenAIJob, parse_chat, parse_completion
 from tokenmill.http.openai.shapes import OpenAIStream, chat_completion_json, completion_json, sse_events
 from tokenmill.http.schemas import check_body
 from tokenmill.http.schemas.openai import ChatRequest, CompletionRequest
 from tokenmill.http.state import ServerState
+from tokenmill.http.validation import Validator
 
 
 class OpenAIRoute:
@@ -35,14 +35,15 @@ class OpenAIRoute:
         state.ready_engine()
         slot = state.take_slot()
         try:
-            body = await read_json(req, state.config.payload_limit)
-            try:
-                check_body(ChatRequest if self.chat else CompletionRequest, body)
-            except ValidationError as error:
-                raise ApiError(422, str(error), "validation") from None
-            parse = parse_chat if self.chat else parse_completion
+            body = await read_json(req, state.config)
+            shape, parse = (ChatRequest, parse_chat) if self.chat else (CompletionRequest, parse_completion)
             model, priority = served_model(state), header_priority(req) or None  # an empty header: the default
-            job = await generation.validate(lambda validator: parse(validator, body, model, priority))
+
+            def checked(validator: Validator) -> OpenAIJob:  # on a validation worker, as the body's shape
+                check_body(shape, body)
+                return parse(validator, body, model, priority)
+
+            job = await generation.validate(checked)
         except BaseException:
             slot.release()
             raise

@@ -16,6 +16,7 @@ from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.schemas import check_body
 from tokenmill.http.schemas.tgi import CompatGenerateRequest, GenerateRequest
 from tokenmill.http.state import ServerState, Slot
+from tokenmill.http.validation import Validator
 
 
 def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
@@ -75,15 +76,16 @@ class GenerateRoute:
             await self.respond_json(req, resp, slot, request, as_list=self.stream is None)
 
     async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
-        body = await read_json(req, self.state.config.payload_limit)
-        try:
-            checked = check_body(GenerateRequest if self.stream is not None else CompatGenerateRequest, body)
-        except ValidationError as error:
-            raise ApiError(422, str(error), "validation") from None
-        inputs, params = checked.inputs, with_header_priority(req, body.get("parameters", {}))
-        stream = self.stream if self.stream is not None else checked.stream
-        request = await self.generation.validate(lambda validator: validator.generate(inputs, params, stream))
-        return request, stream
+        body = await read_json(req, self.state.config)
+        shape = GenerateRequest if self.stream is not None else CompatGenerateRequest
+        params = with_header_priority(req, body.get("parameters", {})) if isinstance(body, dict) else {}
+
+        def checked(validator: Validator) -> tuple[GenerationRequest, bool]:  # on a validation worker
+            request = check_body(shape, body)
+            stream = self.stream if self.stream is not None else bool(request.stream)
+            return validator.generate(request.inputs, params, stream), stream
+
+        return await self.generation.validate(checked)
 
     async def respond_json(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, slot: Slot,
                            request: GenerationRequest, as_list: bool) -> None:
@@ -113,7 +115,7 @@ class TokenizeRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.state.ready_engine()
-        body = await read_json(req, self.state.config.payload_limit)
+        body = await read_json(req, self.state.config)
         try:  # TGI reads /tokenize's body as a generate request: its parameters are checked, then unused
             inputs = check_body(GenerateRequest, body).inputs
         except ValidationError as error:
