@@ -204,3 +204,11 @@ def test_large_bodies_are_parsed_off_the_event_loop_so_health_answers_throughout
     assert answers == [422] * 8  # too many prompts, said without decoding them all first or not
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the bodies were read"
 
+
+@pytest.mark.parametrize("parameters", [None, "fast", [1]])
+def test_parameters_of_the_wrong_type_are_a_422_with_or_without_a_priority_header(server, parameters):
+    with server.client() as client:
+        for headers in ({}, {"X-Priority": "high"}):
+            answer = client.post("/generate", json={"inputs": "Hi", "parameters": parameters}, headers=headers)
+            assert "parameters" in error_of(answer)
+

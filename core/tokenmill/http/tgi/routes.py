@@ -78,10 +78,10 @@ class GenerateRoute:
     async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
         body = await read_json(req, self.state.config)
         shape = GenerateRequest if self.stream is not None else CompatGenerateRequest
-        params = with_header_priority(req, body.get("parameters", {})) if isinstance(body, dict) else {}
 
         def checked(validator: Validator) -> tuple[GenerationRequest, bool]:  # on a validation worker
             request = check_body(shape, body)
+            params = with_header_priority(req, body.get("parameters", {}))
             stream = self.stream if self.stream is not None else bool(request.stream)
             return validator.generate(request.inputs, params, stream), stream
 
