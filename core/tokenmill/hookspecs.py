@@ -76,8 +76,9 @@ def tokenmill_backends() -> list[Backend]:
     tokenmill offers the cache to a runner with `enable_prefix_caching()` and
     `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's `cache_salt`
     and LoRA adapter make its blocks' names its own (`Sequence.cache_namespace`);
-    `tokenmill.engine.kv_cache` names blocks (`block_hash`, `full_block_hashes`, `BlockChain`; also
-    importable from `tokenmill.engine.prefix`).
+    `tokenmill.engine.kv_cache` names blocks (`block_hash`, `full_block_hashes`);
+    `tokenmill.engine.prefix` offers those too, and `BlockChain` for a runner that names its blocks as
+    it fills them.
 
     **Speculation.** A runner that verifies drafts (`--speculate`) sets `speculative = True`. Its
     `step` then takes `drafts`, per decoding sequence the tokens to feed after its newest one (an empty

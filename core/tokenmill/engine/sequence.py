@@ -145,7 +145,7 @@ class Sequence:
         self.cached_tokens = 0
         """Prompt tokens it took from the prefix cache when it first started."""
         self.block_hashes: list[bytes] = []
-        """The names of its full blocks, as far as they were needed (see ``tokenmill.engine.prefix``)."""
+        """The names of its full blocks, as far as they were needed (see ``tokenmill.engine.kv_cache``)."""
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[list[TokenInfo]] = []
         self.prefill_tokens: list[TokenInfo] = []

@@ -63,7 +63,7 @@ class BlockPool(Protocol):
 class CachingBlockPool(BlockPool, Protocol):
     """A block pool that keeps computed blocks for reuse (automatic prefix caching).
 
-    A full block may be *named* by the hash of its contents (see :mod:`tokenmill.engine.prefix`). A named
+    A full block may be *named* by the hash of its contents (see :mod:`tokenmill.engine.kv_cache`). A named
     block whose last holder lets go stays in the pool as *cached*, unreferenced, in least recently
     used order, instead of returning to the free list; ``free_blocks()`` counts it as free, and
     ``reserve`` evicts the least recently used cached block once the free list is empty."""
