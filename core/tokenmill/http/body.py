@@ -65,9 +65,8 @@ def value_limit(config: Config) -> int:
 
 
 async def _read_json(req: falcon.asgi.Request, limit: int, timeout: float | None, max_values: int) -> Any:
-    if not is_json_media(req.content_type):
-        raise ApiError(415, "the request body must be JSON, sent with the header `Content-Type: application/json`",
-                       "validation")
+    if req.content_type is not None and not is_json_media(req.content_type):
+        raise_not_json()
     if req.content_length is not None and req.content_length > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
     try:
@@ -77,9 +76,16 @@ async def _read_json(req: falcon.asgi.Request, limit: int, timeout: float | None
                        "validation") from None
     if len(raw) > limit:
         raise ApiError(413, f"the request body is larger than the payload limit of {limit} bytes", "validation")
+    if raw and req.content_type is None:
+        raise_not_json()  # an empty body without a type reads as null: "must be a JSON object", as before
     if len(raw) >= PARSED_OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_large_json, raw, max_values)
     return parse_json(raw, max_values)
+
+
+def raise_not_json() -> None:
+    raise ApiError(415, "the request body must be JSON, sent with the header `Content-Type: application/json`",
+                   "validation")
 
 
 _STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"')
