@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         model_id = args.model_id or str(tiny_model(Path(scratch) / "tiny"))
         started = start_ignoring_eos(Config(model_id=model_id, backend="paged"))
         engine, tokenizer = started.engine, started.loaded.tokenizer
-        from tokenmill.http.validation import Validator
+        from tokenmill.http.tgi.validation import Validator
 
         grammar = Validator(tokenizer, Config(), started.vocab_size).grammars.json_schema(RECORDS)
         prompt_ids = tokenizer("Here are the records as JSON:")["input_ids"]

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 
 from tokenmill.engine.stops import StopMatcher
-from tokenmill.http.openai import StopHoldback
 from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
@@ -23,16 +22,30 @@ from tokenmill.http.openai.chat import (
     tool_grammar,
     tools_to_offer,
 )
+from tokenmill.http.openai.schemas import ChatRequest, NamedToolChoice
+from tokenmill.http.openai.schemas import Tool as ToolSpec
+from tokenmill.http.openai.shapes import StopHoldback
 from tokenmill.http.openai.toolcalls import ToolCallScanner, parse_tool_calls
+from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.model.chat_template import read_chat_template, use_chat_template
 from tokenmill.model.loading import ModelLoadError
 from tokenmill.sampling.grammar import GrammarCompiler
 
-TOOLS = parse_tools([
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` as a chat request's model reads them, then as the chat template gets them."""
+    return parse_messages(check_body(ChatRequest, {"messages": messages}).messages)
+
+
+def named_choice(name: str) -> NamedToolChoice:
+    return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+
+
+TOOLS = parse_tools([ToolSpec.model_validate(tool) for tool in [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
     {"type": "function", "function": {"name": "get_time"}},
-])
+]])
 
 
 class NoTemplate:
@@ -41,27 +54,27 @@ class NoTemplate:
 
 def test_a_tokenizer_without_a_chat_template_is_refused_with_the_way_out():
     with pytest.raises(ChatError, match="no chat template.*/v1/completions"):
-        render_prompt(NoTemplate(), parse_messages([{"role": "user", "content": "hi"}]), [], True)
+        render_prompt(NoTemplate(), chat_messages([{"role": "user", "content": "hi"}]), [], True)
 
 
 def test_messages_accept_text_parts_and_map_developer_to_system():
-    messages = parse_messages([{"role": "developer", "content": "Be brief."},
+    messages = chat_messages([{"role": "developer", "content": "Be brief."},
                                {"role": "user",
                                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
-    with pytest.raises(ChatError, match=r"messages\[0\].role"):
-        parse_messages([{"role": "wizard", "content": "x"}])
+    with pytest.raises(ValidationError, match=r"messages\[0\].role"):
+        chat_messages([{"role": "wizard", "content": "x"}])
     with pytest.raises(ChatError, match="only text"):
-        parse_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
 def test_tool_choice_decides_what_the_output_may_be():
     assert tools_to_offer(TOOLS, None) == (TOOLS, True)
     assert tools_to_offer(TOOLS, "none") == ([], True)
     assert tools_to_offer(TOOLS, "required") == (TOOLS, False)
-    assert tools_to_offer(TOOLS, {"type": "function", "function": {"name": "get_time"}}) == ([TOOLS[1]], False)
+    assert tools_to_offer(TOOLS, named_choice("get_time")) == ([TOOLS[1]], False)
     with pytest.raises(ChatError, match="get_weather, get_time"):
-        tools_to_offer(TOOLS, {"type": "function", "function": {"name": "launch_rocket"}})
+        tools_to_offer(TOOLS, named_choice("launch_rocket"))
     with pytest.raises(ChatError, match="needs `tools`"):
         tools_to_offer([], "required")
 
@@ -145,9 +158,10 @@ def test_chat_template_kwargs_are_template_variables_that_cannot_replace_the_cal
     for key in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "return_dict"):
         with pytest.raises(ChatError, match=f"may not set {key}"):
             template_kwargs(tokenizer, {key: True})
-    with pytest.raises(ChatError, match="must be an object"):
-        template_kwargs(tokenizer, ["enable_thinking"])
-    messages = parse_messages([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValidationError, match="`chat_template_kwargs` must be an object"):
+        check_body(ChatRequest, {"messages": [{"role": "user", "content": "hi"}],
+                                 "chat_template_kwargs": ["enable_thinking"]})
+    messages = chat_messages([{"role": "user", "content": "hi"}])
     templated = copy.deepcopy(tokenizer)
     templated.chat_template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
     assert render_prompt(templated, messages, [], True, template_kwargs={"greeting": "Hello "}) == "Hello hi"
@@ -155,7 +169,7 @@ def test_chat_template_kwargs_are_template_variables_that_cannot_replace_the_cal
 
 def test_past_tool_calls_are_shown_as_the_json_the_model_writes_when_the_template_has_no_tool_support(tiny_model):
     _, tokenizer = tiny_model
-    messages = parse_messages([
+    messages = chat_messages([
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -206,7 +220,7 @@ def test_the_operators_chat_template_is_read_from_text_a_file_or_a_tokenizer_con
     assert read_chat_template(SimpleNamespace()) is None  # the model's own stays
     tokenizer = copy.deepcopy(tiny_model[1])
     use_chat_template(tokenizer, named)
-    assert render_prompt(tokenizer, parse_messages([{"role": "user", "content": "hi"}]), [], True) == "[hi]"
+    assert render_prompt(tokenizer, chat_messages([{"role": "user", "content": "hi"}]), [], True) == "[hi]"
 
 
 @pytest.mark.parametrize("settings, line", [

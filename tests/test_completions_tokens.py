@@ -98,7 +98,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(http, tiny_model):
         assert response.status_code == 422 and response.json()["error_type"] == "validation", response.text
 
 
-@pytest.mark.parametrize("prompt", [[], [[]], [1, "a"], [-1], [49152], [[1, 2], 5], [1.5], [True], [[1], [2.0]],
+@pytest.mark.parametrize("prompt", [[], [[]], [1, "a"], [-1], [49152], [[1, 2], 5], [1.5], [True], [[1], [2.5]],
                                     {"ids": [1]}, ["fine", [3, 4], None]])
 def test_a_broken_token_id_prompt_is_a_422(http, prompt):
     response = http.post("/v1/completions", json={"model": "any", "prompt": prompt, "max_tokens": 2})

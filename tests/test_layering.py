@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -439,3 +441,18 @@ def test_core_top_level_holds_at_most_8_modules() -> None:
     assert len(top) <= MAX_CORE_TOP_LEVEL_MODULES, (
         f"core/tokenmill/ holds {len(top)} top-level modules (at most {MAX_CORE_TOP_LEVEL_MODULES}): {top}"
     )
+
+
+def test_each_request_shape_is_stated_once_and_validation_keeps_only_what_needs_the_server() -> None:
+    """The pydantic models state each field's type and bounds; nothing re-reads a raw body field by
+    field, and validation holds only the checks that need the tokenizer, the vocabulary or a limit."""
+    rereading = [path for path in CORE.rglob("*.py") if "typed_field" in path.read_text()]
+    assert not rereading, f"raw bodies read field by field in {rereading}"
+    assert line_count(CORE / "http" / "tgi" / "validation.py") <= 150
+
+
+def test_the_request_shapes_import_no_torch() -> None:
+    shapes = "tokenmill.http.tgi.schemas", "tokenmill.http.openai.schemas", "tokenmill.http.schemas.ops"
+    probe = f"import sys\nfor name in {shapes!r}: __import__(name)\nprint('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"

@@ -316,3 +316,56 @@ def test_generate_json_grammars_by_schema_and_by_named_schema(tiny_server):
             text = http.post("/generate", json={"inputs": "Person:", "parameters": {
                 "max_new_tokens": 60, "grammar": grammar}}).json()["generated_text"]
             jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("extra_body, holds", [
+    ({"structured_outputs": {"choice": ["yes", "no (maybe)"]}}, lambda text: text in ("yes", "no (maybe)")),
+    ({"guided_choice": ["red.", "green*"]}, lambda text: text in ("red.", "green*")),
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    ({"guided_regex": "(ab)+c"}, lambda text: re.fullmatch("(ab)+c", text)),
+    ({"structured_outputs": {"json": PERSON}}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ({"guided_json": json.dumps(PERSON)}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ({"structured_outputs": {"grammar": 'start: "A" ("B" | "C")+ "."'}}, lambda text: re.fullmatch("A[BC]+\\.", text)),
+    ({"guided_grammar": 'start: "x" | "y"'}, lambda text: text in ("x", "y")),
+])
+def test_vllms_structured_outputs_and_guided_fields_constrain_the_output(client, extra_body, holds):
+    for seed in range(2):
+        chat = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=60, seed=seed,
+                                              extra_body=extra_body).choices[0]
+        completion = client.completions.create(model="any", prompt="Answer:", max_tokens=60, seed=seed,
+                                               extra_body=extra_body).choices[0]
+        for text, reason in ((chat.message.content, chat.finish_reason), (completion.text, completion.finish_reason)):
+            assert reason == "stop" and holds(text), text
+
+
+def test_a_json_object_constraint_leaves_no_room_for_padding_whitespace(tiny_server):
+    """Compact JSON only: a model that likes spaces cannot fill its tokens with them."""
+    with tiny_server.client() as http:
+        answer = http.post("/v1/completions", json={"prompt": "{", "max_tokens": 40, "temperature": 0,
+                                                    "structured_outputs": {"json_object": True},
+                                                    "logit_bias": {str(i): 100 for i in space_tokens(http)}})
+    text = answer.json()["choices"][0]["text"]
+    assert answer.status_code == 200 and text.startswith("{") and not re.search(r"[{\[,:]\s\s", text), text
+
+
+def space_tokens(http: httpx.Client) -> list[int]:
+    """Token ids that are nothing but whitespace."""
+    ids = [token["id"] for token in http.post("/tokenize", json={"inputs": "   \n\n  \t"}).json()]
+    return sorted(set(ids))
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.regex"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: nonsense_rule"}}, "structured_outputs.grammar"),
+    ({"guided_json": {"type": "object"}, "tools": [WEATHER]}, "guided_json"),
+])
+def test_a_structured_output_that_cannot_be_applied_is_a_422_naming_it(tiny_server, extra, named):
+    with tiny_server.client() as http:
+        response = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **extra})
+    assert response.status_code == 422, response.text
+    assert f"`{named}" in response.json()["error"], response.text

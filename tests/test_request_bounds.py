@@ -15,8 +15,8 @@ import pytest
 from conftest import RunningServer, start_server
 
 from tokenmill.http.body import MAX_JSON_DEPTH
-from tokenmill.http.openai.chat import MAX_TOOLS
-from tokenmill.http.validation import MAX_STOP_CHARACTERS
+from tokenmill.http.openai.schemas import MAX_TOOLS
+from tokenmill.http.tgi.schemas import MAX_STOP_CHARACTERS
 
 BODY_SECONDS = 2
 
@@ -44,8 +44,8 @@ def test_a_stop_sequence_longer_than_the_limit_is_a_422(server):
                                                           "stop": "y" * (MAX_STOP_CHARACTERS + 1)})
         fits = client.post("/generate", json={"inputs": "Hi", "parameters": {
             "stop": ["z" * MAX_STOP_CHARACTERS], "max_new_tokens": 3}})
-    assert f"at most {MAX_STOP_CHARACTERS} characters" in error_of(answer)
-    assert f"at most {MAX_STOP_CHARACTERS} characters" in error_of(chat)
+    assert f"`stop[0]` must be a string of 1 to {MAX_STOP_CHARACTERS} characters" in error_of(answer)
+    assert f"1 to {MAX_STOP_CHARACTERS} characters" in error_of(chat)
     assert fits.status_code == 200, fits.text
 
 
@@ -65,7 +65,7 @@ def test_too_many_tools_is_a_422_that_names_the_limit(server):
     with server.client() as client:
         answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                             "tools": tools})
-    assert f"at most {MAX_TOOLS} tools" in error_of(answer)
+    assert f"`tools` must hold at most {MAX_TOOLS} item(s)" in error_of(answer)
 
 
 def test_openai_log_probabilities_obey_max_top_n_tokens(server):

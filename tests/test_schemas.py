@@ -20,11 +20,11 @@ from openapi_spec_validator import validate as validate_openapi
 
 from tokenmill.config import parse_config
 from tokenmill.http.app import create_app
-from tokenmill.http.fields import ValidationError
+from tokenmill.http.openai.convert import to_generate
+from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest
 from tokenmill.http.openapi import served_operations, undocumented
-from tokenmill.http.schemas import check_body
-from tokenmill.http.schemas.openai import ChatRequest, CompletionRequest
-from tokenmill.http.schemas.tgi import CompatGenerateRequest, GenerateRequest
+from tokenmill.http.schemas import ValidationError, check_body
+from tokenmill.http.tgi.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest
 from tokenmill.plugin_manager import build_plugin_manager
 
 TGI_SPEC = json.loads((Path(__file__).resolve().parent.parent / ".ci" / "tgi-openapi.json").read_text())
@@ -108,7 +108,7 @@ def test_what_tokenmill_takes_beyond_tgi_is_taken(model, body):
     (GenerateRequest, {"inputs": "x", "parameters": {"top_k": 1.5}}, "`top_k` must be an integer, got 1.5"),
     (GenerateRequest, {"inputs": "x", "parameters": {"do_sample": 1}}, "`do_sample` must be a boolean, got 1"),
     (GenerateRequest, {"inputs": "x", "parameters": {"details": None}}, "`details` must be a boolean, not null"),
-    (GenerateRequest, {"inputs": "x", "parameters": {"stop": ["a", 3]}}, "`stop` must be a list of strings"),
+    (GenerateRequest, {"inputs": "x", "parameters": {"stop": ["a", 3]}}, "`stop[1]` must be a string"),
     (GenerateRequest, {"inputs": "x", "parameters": {"grammar": "json"}}, "`grammar` must be an object"),
     (GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "regex"}}}, "`grammar` must be an object"),
     (GenerateRequest, {"inputs": "x", "parameters": {"grammar": {"type": "xml", "value": ""}}},
@@ -299,3 +299,18 @@ def test_real_answers_conform_to_the_served_document(tiny_server):
         completion = {"prompt": ["Hello", "Bye"], "max_tokens": 3, "logprobs": 1, "n": 2}
         check("post", "/v1/completions", completion)
         check("post", "/v1/completions", {**completion, "stream": True}, "text/event-stream")
+
+
+def test_openai_sampling_fields_become_tgi_parameters_of_the_same_meaning():
+    sampled = to_generate(check_body(ChatRequest, {
+        "messages": QUESTION, "temperature": 0.5, "top_p": 1, "top_k": 5, "frequency_penalty": 0.5, "seed": -1,
+        "stop": "x", "logit_bias": {"7": 3}, "min_p": 0.1}), 5)
+    assert isinstance(sampled, GenerateParameters)
+    assert (sampled.do_sample, sampled.temperature, sampled.top_k) == (True, 0.5, 5)
+    assert sampled.top_p is None, "top_p 1 keeps every token, as no top_p does in TGI's parameters"
+    assert (sampled.occurrence_penalty, sampled.seed, sampled.stop) == (0.5, 2**64 - 1, ["x"])
+    assert (sampled.max_new_tokens, sampled.logit_bias, sampled.min_p) == (5, {"7": 3.0}, 0.1)
+    greedy = to_generate(check_body(CompletionRequest, {"prompt": "x", "temperature": 0, "top_p": 0.5}), None)
+    assert (greedy.do_sample, greedy.top_p, greedy.max_new_tokens) == (False, None, None)
+    with pytest.raises(ValidationError, match="`max_tokens` must be at least 1"):
+        to_generate(check_body(CompletionRequest, {"prompt": "x", "max_tokens": 0}), 0)

@@ -17,7 +17,9 @@ import tokenmill
 from tokenmill.config import Config
 from tokenmill.engine.sequence import ErrorEvent, SamplingParams
 from tokenmill.engine.startup import settings_unavailable_reason
-from tokenmill.http.validation import ValidationError, Validator
+from tokenmill.http.schemas import ValidationError
+from tokenmill.http.tgi.schemas import GenerateParameters
+from tokenmill.http.tgi.validation import Validator
 from tokenmill.interfaces import Backend, BatchLimits, EngineSetup
 from tokenmill.model.loading import ModelLoadError
 from tokenmill.plugin_manager import PluginError, build_plugin_manager, choose, choose_all
@@ -281,6 +283,7 @@ def test_what_the_engine_refuses_is_a_validation_error(tokenizer):
     config = Config(max_input_tokens=100, max_total_tokens=200)
     config = config.with_limits(None)
     validator = Validator(tokenizer, config, 49152, unavailable_reason=vllm_engine.unsupported_reason)
-    assert validator.generate("Hello", {"max_new_tokens": 5}, False).max_new_tokens == 5
+    params = GenerateParameters(max_new_tokens=5)
+    assert validator.generate("Hello", params, False).max_new_tokens == 5
     with pytest.raises(ValidationError, match="`typical_p` is not supported by --backend vllm"):
-        validator.generate("Hello", {"max_new_tokens": 5, "typical_p": 0.5}, False)
+        validator.generate("Hello", GenerateParameters(max_new_tokens=5, typical_p=0.5), False)

@@ -21,6 +21,10 @@ class ConfigError(Exception):
     """A contradictory or invalid setting; the message is one line for the operator."""
 
 
+PRIORITY_CLASSES = ("high", "normal", "low")
+"""A request's priority class, most urgent first (the ``priority`` parameter or ``X-Priority`` header)."""
+
+
 @dataclass(frozen=True)
 class Config:
     model_id: str | None = None
@@ -217,8 +221,6 @@ class Config:
 
     def class_weights(self) -> tuple[tuple[str, float], ...]:
         """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""
-        from tokenmill.engine.sequence import PRIORITY_CLASSES
-
         weights: dict[str, float] = {}
         for item in self.priority_class_weights.split(","):
             name, _, value = item.partition("=")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.config.settings import PRIORITY_CLASSES  # noqa: F401 - where schedulers import it
 from tokenmill.engine.stream import EventSink, EventStream, as_stream
 from tokenmill.sampling.params import SamplingParams
 
@@ -18,8 +19,6 @@ FINISH_LENGTH = "length"
 FINISH_EOS = "eos_token"
 FINISH_STOP = "stop_sequence"
 
-PRIORITY_CLASSES = ("high", "normal", "low")
-"""A request's priority class, most urgent first (the ``priority`` parameter or ``X-Priority`` header)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tokenmill.http.body import ApiError
 from tokenmill.http.context import SCOPE_KEY, DisconnectWatch, request_scope
 from tokenmill.http.generation import Generation
 from tokenmill.http.middleware import ApiKeyAuth, RequestContext, cors_middleware
-from tokenmill.http.openai import ChatCompletionsRoute, CompletionsRoute, ModelsRoute
+from tokenmill.http.openai.routes import ChatCompletionsRoute, CompletionsRoute, ModelsRoute
 from tokenmill.http.ops import (
     AdaptersRoute,
     HealthRoute,

@@ -47,14 +47,6 @@ def header_priority(req: falcon.asgi.Request) -> str | None:
     return value.strip().lower() if value is not None else None
 
 
-def with_header_priority(req: falcon.asgi.Request, params: dict[str, Any]) -> dict[str, Any]:
-    """The ``X-Priority`` header sets the ``priority`` parameter when the body does not."""
-    priority = header_priority(req)
-    if priority is not None and "priority" not in params:
-        return {**params, "priority": priority}
-    return params
-
-
 async def watch_receive(req: falcon.asgi.Request) -> None:
     """Read the ASGI channel after the body so that a client that leaves is noticed."""
     receive = request_scope(req).receive

@@ -18,9 +18,9 @@ from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest
 from tokenmill.engine.stream import StreamClosed, TokenStream
 from tokenmill.http.body import ApiError
 from tokenmill.http.context import on_disconnect, record_of, watch_receive
-from tokenmill.http.fields import ValidationError
+from tokenmill.http.schemas import ValidationError
 from tokenmill.http.state import ServerState, Slot, adapter_api_error
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.validation import Validator
 from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.telemetry import RequestRecord
 

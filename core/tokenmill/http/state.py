@@ -17,7 +17,7 @@ from tokenmill.engine import Engine
 from tokenmill.engine.sequence import PRIORITY_CLASSES
 from tokenmill.engine.startup import start_engine
 from tokenmill.http.body import ApiError
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.validation import Validator
 from tokenmill.http.workers import ValidationWorkers
 from tokenmill.model import sharding
 from tokenmill.model.adapters import AdapterCache

@@ -10,12 +10,12 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.http.body import ApiError, read_json
-from tokenmill.http.fields import ValidationError
-from tokenmill.http.openai import parse_chat, served_model
-from tokenmill.http.schemas import check_body
-from tokenmill.http.schemas.openai import ChatRequest
+from tokenmill.http.openai.convert import parse_chat
+from tokenmill.http.openai.routes import served_model
+from tokenmill.http.openai.schemas import ChatRequest
+from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.http.state import ServerState
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.validation import Validator
 
 
 def serving_validator(state: ServerState) -> Validator:
@@ -43,14 +43,14 @@ class ChatTokenizeRoute:
         validator = serving_validator(state)
         body = await read_json(req, state.config)
         try:
-            check_body(ChatRequest, body)
+            request = check_body(ChatRequest, body)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
         if not getattr(validator.tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
 
         def tokenize(validator: Validator) -> dict[str, Any]:
-            job = parse_chat(validator, body, served_model(state), None)
+            job = parse_chat(validator, request, served_model(state), None)
             templated = job.requests[0].inputs
             return {"tokenize_response": token_spans(validator, templated), "templated_text": templated}
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.validation import Validator
 
 T = TypeVar("T")
 

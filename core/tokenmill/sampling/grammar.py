@@ -35,13 +35,17 @@ def _llguidance() -> Any:
     return llguidance
 
 
+GRAMMARS_DISABLED = ("grammar support is disabled on this server (--disable-grammar-support): no `grammar`, "
+                     "JSON `response_format` or tools")
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer. The tokenizer's token table is built on first use (~0.3 s)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, disabled: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, disabled: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.disabled = disabled
+        self.disabled = GRAMMARS_DISABLED if disabled else None
         """Why this server compiles no grammar (``--disable-grammar-support``); None: it does."""
         self._ll_tokenizer: Any = None
         self._lock = threading.Lock()

@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.http.openai.toolcalls import ToolCall, parse_tool_calls  # noqa: F401 - re-exported
+from tokenmill.http.openai.schemas import ContentPart, Message, NamedToolChoice, ToolCall
+from tokenmill.http.openai.schemas import Tool as ToolSpec
 from tokenmill.sampling.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatError(ValueError):
@@ -30,108 +29,71 @@ class ChatError(ValueError):
 
 @dataclass(frozen=True)
 class Tool:
+    """A tool the request offers, read from its checked shape."""
+
     name: str
     description: str
     parameters: dict[str, Any]
 
 
-def message_text(content: Any, where: str) -> str:
+def message_text(content: str | list[ContentPart] | None, where: str) -> str:
     """A message's content as text: a string, or the text parts of a content list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatError(f"`{where}`: only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ChatError(f"`{where}` must be a string or a list of content parts")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.type != "text" or part.text is None for part in content):
+        raise ChatError(f"`{where}`: only text content parts are supported")
+    return "".join(part.text or "" for part in content)
 
 
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI messages as the chat template expects them: role and text content (and tool calls)."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("`messages` must be a non-empty list")
+def parse_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Checked messages as the chat template expects them: role and text content (and tool calls)."""
     parsed = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ChatError(f"`{where}` must be an object")
-        role = message.get("role")
-        if role not in ROLES:
-            raise ChatError(f"`{where}.role` must be one of {', '.join(ROLES)}; got {role!r}")
-        if message.get("name") is not None and not isinstance(message["name"], str):
-            raise ChatError(f"`{where}.name` must be a string")
-        calls = message.get("tool_calls")
-        if message.get("content") is None and calls is None:  # only an assistant's tool calls go without
+        if message.content is None and message.tool_calls is None:  # only an assistant's tool calls go without
             raise ChatError(f"`{where}` must have `content` (or, from the assistant, `tool_calls`)")
-        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                 "content": message_text(message.get("content"), f"{where}.content")}
-        if calls is not None:
-            if role != "assistant" or not isinstance(calls, list):
-                raise ChatError(f"`{where}.tool_calls` must be a list, on an assistant message")
-            entry["tool_calls"] = [_history_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
-        if role == "tool" and isinstance(message.get("tool_call_id"), str):
-            entry["tool_call_id"] = message["tool_call_id"]
+        entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                 "content": message_text(message.content, f"{where}.content")}
+        if message.tool_calls is not None:
+            if message.role != "assistant":
+                raise ChatError(f"`{where}.tool_calls` may only be on an assistant message")
+            entry["tool_calls"] = [_history_call(call, f"{where}.tool_calls[{j}]")
+                                   for j, call in enumerate(message.tool_calls)]
+        if message.role == "tool" and message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         parsed.append(entry)
     return parsed
 
 
-def _history_call(call: Any, where: str) -> dict[str, Any]:
-    if not isinstance(call, dict) or not isinstance(call.get("id"), str) or call.get("type") != "function":
-        raise ChatError(f'`{where}` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                        f'"arguments": ...}}}}')
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ChatError(f"`{where}.function.name` must be a string")
-    arguments = function.get("arguments", "{}")
+def _history_call(call: ToolCall, where: str) -> dict[str, Any]:
+    arguments = call.function.arguments
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
         except ValueError:
             raise ChatError(f"`{where}.function.arguments` must be a JSON object text") from None
-    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
-
-MAX_TOOLS = 128
-"""The most tools one request may offer (OpenAI's limit)."""
 
 TOOLS_COMPILE_SECONDS = 2.0
 """The longest a request's tools may take to compile into its grammar (a 422 beyond)."""
 
 
-def parse_tools(tools: Any) -> list[Tool]:
-    if not isinstance(tools, list):
-        raise ChatError("`tools` must be a list")
-    if len(tools) > MAX_TOOLS:
-        raise ChatError(f"`tools`: at most {MAX_TOOLS} tools per request, got {len(tools)}")
-    parsed: list[Tool] = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ChatError(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}')
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise ChatError(f"`tools[{i}].function.name` must be a non-empty string")
-        # TGI reads a tool's parameters from `parameters` or, as its spec documents them, `arguments`.
-        parameters = function.get("parameters", function.get("arguments"))
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise ChatError(f"`tools[{i}].function.parameters` must be a JSON schema object")
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ChatError(f"`tools[{i}].function.description` must be a string")
-        parsed.append(Tool(name, description or "", parameters))
+def parse_tools(tools: list[ToolSpec]) -> list[Tool]:
+    """The offered tools; a tool without parameters takes none. TGI reads a tool's parameters from
+    ``parameters`` or, as its spec documents them, ``arguments``."""
+    parsed = []
+    for tool in tools:
+        function = tool.function
+        parameters = function.parameters if function.parameters is not None else function.arguments
+        parsed.append(Tool(function.name, function.description or "",
+                           parameters if parameters is not None else {"type": "object", "properties": {}}))
     if len({t.name for t in parsed}) != len(parsed):
         raise ChatError("`tools`: function names must be unique")
     return parsed
 
 
-def tools_to_offer(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], bool]:
+def tools_to_offer(tools: list[Tool], tool_choice: str | NamedToolChoice | None) -> tuple[list[Tool], bool]:
     """The tools the output may call and whether a plain-text answer is allowed instead."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -143,11 +105,8 @@ def tools_to_offer(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], boo
         return tools, True
     if tool_choice == "required":
         return tools, False
-    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str):
-        raise ChatError('`tool_choice` must be "none", "auto", "required" or '
-                        '{"type": "function", "function": {"name": ...}}')
+    assert isinstance(tool_choice, NamedToolChoice)
+    name = tool_choice.function.name
     named = [t for t in tools if t.name == name]
     if not named:
         raise ChatError(
@@ -259,14 +218,12 @@ def _reserved_template_names(tokenizer_type: type) -> frozenset[str]:
     return frozenset(own) | TEMPLATE_VARIABLES_OF_THE_CALL
 
 
-def template_kwargs(tokenizer: Any, value: Any) -> dict[str, Any]:
+def template_kwargs(tokenizer: Any, value: dict[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` checked: an object whose keys are extra template variables (such as
     ``enable_thinking``), none of them one the template call sets itself (that would change how the
     prompt is built, e.g. ``tokenize`` or ``add_generation_prompt``)."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise ChatError("`chat_template_kwargs` must be an object of template variables")
     taken = sorted(set(value) & _reserved_template_names(type(tokenizer)))
     if taken:
         raise ChatError(f"`chat_template_kwargs` may not set {', '.join(taken)}: the server sets "

@@ -13,12 +13,12 @@ from tokenmill.engine.sequence import ErrorEvent
 from tokenmill.http.body import read_json
 from tokenmill.http.context import header_priority, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
-from tokenmill.http.openai.parse import OpenAIJob, parse_chat, parse_completion
+from tokenmill.http.openai.convert import OpenAIJob, parse_chat, parse_completion
+from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest
 from tokenmill.http.openai.shapes import OpenAIStream, chat_completion_json, completion_json, sse_events
 from tokenmill.http.schemas import check_body
-from tokenmill.http.schemas.openai import ChatRequest, CompletionRequest
 from tokenmill.http.state import ServerState
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.validation import Validator
 
 
 class OpenAIRoute:
@@ -39,9 +39,8 @@ class OpenAIRoute:
             shape, parse = (ChatRequest, parse_chat) if self.chat else (CompletionRequest, parse_completion)
             model, priority = served_model(state), header_priority(req) or None  # an empty header: the default
 
-            def checked(validator: Validator) -> OpenAIJob:  # on a validation worker, as the body's shape
-                check_body(shape, body)
-                return parse(validator, body, model, priority)
+            def checked(validator: Validator) -> OpenAIJob:  # on a validation worker
+                return parse(validator, check_body(shape, body), model, priority)
 
             job = await generation.validate(checked)
         except BaseException:

@@ -10,7 +10,7 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
-from tokenmill.http.openai.parse import OpenAIJob
+from tokenmill.http.openai.convert import OpenAIJob
 from tokenmill.http.openai.toolcalls import ToolCallScanner, scan_tool_calls
 
 

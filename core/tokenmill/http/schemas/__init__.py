@@ -1,21 +1,39 @@
-"""The typed shapes of every request and response tokenmill serves (pydantic models), and
-:func:`check_body`, the one place a request body's JSON types are checked.
+"""What the typed shapes of requests and responses share, and :func:`check_body`, the one place a
+request body becomes its model.
 
-The models are the source of two things: the first check of each body at a route's entry (wrong
-kind, null where TGI has no ``Option``, a missing field: a 422 naming the field), and the OpenAPI
-document (:mod:`tokenmill.http.openapi`). The checks that need the model or the server's limits
-come after, in :mod:`tokenmill.http.validation` and :mod:`tokenmill.http.openai.parse`.
+Each API's models (:mod:`tokenmill.http.tgi.schemas`, :mod:`tokenmill.http.openai.schemas`,
+:mod:`tokenmill.http.schemas.ops`) are the only statement of a field's type and static bounds: a
+wrong kind, null where TGI has no ``Option``, a missing field or a value out of its documented
+range is a 422 naming the field, here. They are also the source of the OpenAPI document
+(:mod:`tokenmill.http.openapi`). Routes pass the model on; the checks that need the tokenizer, the
+vocabulary or the server's ``--max-*`` limits come after, in :mod:`tokenmill.http.tgi.validation`.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pydantic
+from pydantic import BaseModel, ConfigDict
 
-from tokenmill.http.fields import ValidationError
 from tokenmill.http.schemas.kinds import KIND_ERROR
-from tokenmill.http.schemas.tgi import RequestModel
+
+
+class ValidationError(Exception):
+    """Invalid input: answered with 422 and ``error_type`` ``validation``."""
+
+
+class RequestModel(BaseModel):
+    """A request body or a part of one: unknown fields are kept, as TGI's serde ignores them."""
+
+    model_config = ConfigDict(extra="allow")
+    errors_named_within: ClassVar[tuple[str, ...]] = ()
+    """Fields under these are named alone in error messages (``temperature``, not ``parameters.temperature``)."""
+
+
+class ResponseModel(BaseModel):
+    """A response body, documented (the routes write them as dicts; tests check them against these)."""
+
 
 Body = TypeVar("Body", bound=RequestModel)
 
@@ -62,6 +80,10 @@ def describe(error: Any, named_within: tuple[str, ...] = ()) -> str:
         value = value.get(context["at"].split(".")[0]) if isinstance(value, dict) else value
     if kind == "missing":
         return f"missing field `{path}`"
+    if kind in ("too_short", "too_long"):
+        bound = "at least" if kind == "too_short" else "at most"
+        limit = context.get("min_length" if kind == "too_short" else "max_length")
+        return f"`{path}` must hold {bound} {limit} item(s), got {context.get('actual_length')}"
     expected = context.get("expected") if kind == KIND_ERROR else _KIND_OF_ERROR.get(kind)
     if kind == "literal_error":
         expected = f"one of {context.get('expected')}"

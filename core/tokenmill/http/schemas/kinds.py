@@ -27,14 +27,15 @@ def kind_error(expected: str, detail: str = "", at: str = "") -> PydanticCustomE
     return PydanticCustomError(KIND_ERROR, "must be {expected}", {"expected": expected, "detail": detail, "at": at})
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number that is finite (not a boolean, which Python counts as an integer)."""
     if isinstance(value, bool):
         return False
     return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _number(value: Any) -> float:
-    if not _is_number(value):
+    if not is_number(value):
         raise kind_error("a finite number")
     try:
         return float(value)
@@ -43,7 +44,7 @@ def _number(value: Any) -> float:
 
 
 def _integer(value: Any) -> int:
-    if not _is_number(value) or not (isinstance(value, int) or value.is_integer()):
+    if not is_number(value) or not (isinstance(value, int) or value.is_integer()):
         raise kind_error("an integer")
     return int(value)
 
@@ -103,18 +104,25 @@ def integer(**bounds: int) -> Any:
                      WithJsonSchema({"type": "integer", **bounds})]
 
 
-def string(*, enum: list[str] | None = None, min_length: int = 0) -> Any:
-    """A string; one of ``enum`` when given, at least ``min_length`` characters long."""
+def string(*, enum: list[str] | tuple[str, ...] | None = None, min_length: int = 0,
+           max_length: int | None = None) -> Any:
+    """A string; one of ``enum`` when given, ``min_length`` to ``max_length`` characters long."""
     schema: dict[str, Any] = {"type": "string"}
     expected = "a string"
     if enum is not None:
-        schema["enum"], expected = enum, f"one of {', '.join(enum)}"
+        schema["enum"], expected = list(enum), f"one of {', '.join(enum)}"
     if min_length:
         schema["minLength"], expected = min_length, f"a string of at least {min_length} character(s)"
+    if max_length is not None:
+        schema["maxLength"] = max_length
+        expected = (f"a string of {min_length} to {max_length} characters" if min_length
+                    else f"a string of at most {max_length} characters")
 
     def check(value: Any) -> str:
-        if not isinstance(value, str) or (enum is not None and value not in enum) or len(value) < min_length:
+        if not isinstance(value, str) or (enum is not None and value not in enum):
             raise kind_error(expected)
+        if len(value) < min_length or (max_length is not None and len(value) > max_length):
+            raise kind_error(expected, detail=f"{len(value)} characters" if value else "an empty string")
         return value
 
     return Annotated[str, PlainValidator(check), WithJsonSchema(schema)]

@@ -13,8 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.http.schemas import openai as oai
-from tokenmill.http.schemas import ops, tgi
+from tokenmill.http.openai import schemas as oai
+from tokenmill.http.schemas import ops
+from tokenmill.http.tgi import schemas as tgi
 
 Shape = type[BaseModel] | dict[str, Any]
 """A body's shape: a model (a reference to its component), or a JSON schema as it is."""

@@ -10,13 +10,12 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
 from tokenmill.http.body import ApiError, read_json
-from tokenmill.http.context import record_of, with_header_priority
-from tokenmill.http.fields import ValidationError
+from tokenmill.http.context import header_priority, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
-from tokenmill.http.schemas import check_body
-from tokenmill.http.schemas.tgi import CompatGenerateRequest, GenerateRequest
+from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.http.state import ServerState, Slot
-from tokenmill.http.validation import Validator
+from tokenmill.http.tgi.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest
+from tokenmill.http.tgi.validation import Validator
 
 
 def details_json(result: FinalResult, with_top: bool) -> dict[str, Any]:
@@ -79,9 +78,13 @@ class GenerateRoute:
         body = await read_json(req, self.state.config)
         shape = GenerateRequest if self.stream is not None else CompatGenerateRequest
 
+        priority = header_priority(req)
+
         def checked(validator: Validator) -> tuple[GenerationRequest, bool]:  # on a validation worker
             request = check_body(shape, body)
-            params = with_header_priority(req, body.get("parameters", {}))
+            params = request.parameters
+            if priority is not None and "priority" not in params.model_fields_set:  # the body's wins
+                params = check_body(GenerateParameters, {**params.model_dump(exclude_unset=True), "priority": priority})
             stream = self.stream if self.stream is not None else bool(request.stream)
             return validator.generate(request.inputs, params, stream), stream
 

@@ -5,19 +5,19 @@ Requests check JSON kinds and nullability exactly as TGI's serde does: a paramet
 but only those that are ``Option`` in TGI may be null; unknown fields are kept (``extra="allow"``)
 for the handlers and plugins that read them. The ranges TGI's spec gives are checked here too
 (worded as TGI's validation words them); those that depend on the server's limits (``--max-best-of``,
-``--max-total-tokens``, ...) are checked by :mod:`tokenmill.http.validation`.
+``--max-total-tokens``, ...) or the vocabulary are checked by :mod:`tokenmill.http.tgi.validation`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, RootModel
+from pydantic import BaseModel, Field, PlainValidator, RootModel
 
-from tokenmill.engine.sequence import PRIORITY_CLASSES
+from tokenmill.config.settings import PRIORITY_CLASSES
+from tokenmill.http.schemas import RequestModel, ResponseModel
 from tokenmill.http.schemas.kinds import (
     Boolean,
-    Number,
     String,
     documented_as,
     integer,
@@ -26,19 +26,6 @@ from tokenmill.http.schemas.kinds import (
     one_of,
     string,
 )
-
-
-class RequestModel(BaseModel):
-    """A request body or a part of one: unknown fields are kept, as TGI's serde ignores them."""
-
-    model_config = ConfigDict(extra="allow")
-    errors_named_within: ClassVar[tuple[str, ...]] = ()
-    """Fields under these are named alone in error messages (``temperature``, not ``parameters.temperature``)."""
-
-
-class ResponseModel(BaseModel):
-    """A response body, documented (the routes write them as dicts; tests check them against these)."""
-
 
 # --- grammars (documented; ``tokenmill.sampling.grammar`` reads them, with precise errors) ------------
 
@@ -70,7 +57,18 @@ class GrammarType(RootModel[Annotated[JsonGrammar | RegexGrammar | JsonSchemaGra
 TokenIds = Annotated[list[integer(minimum=0)], one_of("a list of token ids (integers)")]
 MAX_STOP_TOKEN_IDS = 1024
 """The most ``stop_token_ids`` a request may give: each generated token is checked against them."""
+MAX_STOP_CHARACTERS = 512
+"""The longest stop sequence a request may give (matched as text, one character at a time)."""
+MAX_LOGIT_BIAS = 100
+"""OpenAI's bound on a token's bias either way (100 all but forces the token, -100 bans it)."""
+MAX_LOGIT_BIASES = 1024
+"""The most tokens one request may bias."""
+StopSequence = string(min_length=1, max_length=MAX_STOP_CHARACTERS)
+LogitBiases = Annotated[dict[str, number(minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)],
+                        Field(max_length=MAX_LOGIT_BIASES)]
+"""Token id (as a string; validation checks it against the vocabulary) -> a bias added to its logit."""
 GRAMMAR_KINDS = ("json", "json_schema", "regex")
+Priority = string(enum=PRIORITY_CLASSES)
 
 
 def _grammar(value: Any) -> dict[str, Any]:
@@ -117,7 +115,7 @@ class GenerateParameters(RequestModel):
         None, description="Divides the scores of tokens already seen (1.0: no penalty)")
     return_full_text: Boolean | None = Field(None, description="Prepend the prompt to the generated text")
     seed: integer(minimum=0, exclusiveMaximum=2**64) | None = Field(None, description="The sampling seed")
-    stop: Annotated[list[String], one_of("a list of strings")] = Field(
+    stop: list[StopSequence] = Field(
         default_factory=list, description="Stop when one of these is generated (at most --max-stop-sequences)")
     temperature: number(exclusiveMinimum=0) | None = Field(None, description="Divides the logits")
     top_k: integer(exclusiveMinimum=0) | None = Field(None, description="Keep only the k most likely tokens")
@@ -141,9 +139,9 @@ class GenerateParameters(RequestModel):
     ignore_eos: Boolean = Field(False, description="Do not stop at EOS (vLLM's)")
     stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                            description="Stop when one of these tokens is generated")
-    logit_bias: dict[str, Number] | None = Field(
+    logit_bias: LogitBiases | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit")
-    priority: string(enum=list(PRIORITY_CLASSES)) = Field(
+    priority: Priority = Field(
         "normal", description="The request's class for the scheduler (also the X-Priority header)")
     cache_salt: string(min_length=1) | None = Field(
         None, description="Keeps this request's prefix-cache entries apart from others' (tenants)")

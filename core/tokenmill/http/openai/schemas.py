@@ -4,16 +4,17 @@ null nearly everywhere) for the rest, and vLLM's extra body fields.
 
 A field documented as a union accepts each of its forms (``stop``: a string or a list; TGI's
 ``logit_bias`` list beside OpenAI's map). What needs the conversation, the model or the server's
-limits to check (roles, tool schemas, response formats, token ids, ``n`` × prompts) is checked by
-:mod:`tokenmill.http.openai.parse` and :mod:`tokenmill.http.openai.chat`.
+limits to check (tool schemas, response formats, token ids, ``n`` × prompts) is checked by
+:mod:`tokenmill.http.openai.convert` and :mod:`tokenmill.http.openai.chat`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from tokenmill.http.schemas import RequestModel, ResponseModel
 from tokenmill.http.schemas.kinds import (
     Boolean,
     Integer,
@@ -24,15 +25,42 @@ from tokenmill.http.schemas.kinds import (
     integer,
     number,
     one_of,
+    string,
 )
-from tokenmill.http.schemas.tgi import MAX_STOP_TOKEN_IDS, RequestModel, ResponseModel, TokenIds
+from tokenmill.http.tgi.schemas import MAX_STOP_TOKEN_IDS, LogitBiases, StopSequence, TokenIds
 
-Stop = Annotated[String | list[String], one_of("a string or a list of strings")]
-LogitBias = Annotated[dict[str, Number] | list[Number], one_of("an object of token ids to numbers")]
+Stop = Annotated[StopSequence | list[StopSequence], one_of(
+    "a stop sequence (a string of 1 to 512 characters) or a list of them")]
+LogitBias = Annotated[LogitBiases | list[Number], one_of(
+    "an object of token ids to numbers between -100 and 100")]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128
+"""The most tools one request may offer (OpenAI's limit)."""
+Function = string(enum=("function",))
 
 
 class StreamOptions(RequestModel):
     include_usage: Boolean = Field(False, description="Send the usage in a last chunk before `data: [DONE]`")
+
+
+MAX_CHOICES = 256
+"""The most alternatives a ``choice`` constraint may list."""
+JsonSchema = Annotated[Object | String, one_of("a JSON schema (an object, or its JSON text)")]
+Choices = Annotated[list[String], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's ``structured_outputs``: one constraint on the output (another field is a 422)."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+    json_: JsonSchema | None = Field(None, alias="json", description="A JSON schema the output must follow")
+    regex: String | None = Field(None, description="A regular expression the whole output must match")
+    choice: Choices | None = Field(None, description="The output is exactly one of these")
+    grammar: String | None = Field(None, description="A grammar in llguidance's Lark dialect")
+    json_object: Boolean | None = Field(None, description="The output is a JSON object")
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""vLLM's older spelling of ``structured_outputs``' json, regex, choice and grammar."""
 
 
 class SamplingFields(RequestModel):
@@ -64,7 +92,14 @@ class SamplingFields(RequestModel):
     logit_bias: LogitBias | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; TGI's list form "
                           "is taken too")
-    cache_salt: String | None = Field(None, description="Keeps this request's prefix-cache entries apart")
+    cache_salt: string(min_length=1) | None = Field(None, description="Keeps this request's prefix-cache "
+                                                                      "entries apart")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's output constraint")
+    guided_json: JsonSchema | None = Field(None, description="vLLM's older `structured_outputs.json`")
+    guided_regex: String | None = Field(None, description="vLLM's older `structured_outputs.regex`")
+    guided_choice: Choices | None = Field(None, description="vLLM's older `structured_outputs.choice`")
+    guided_grammar: String | None = Field(None, description="vLLM's older `structured_outputs.grammar` (Lark)")
+    guided_decoding_backend: String | None = Field(None, description="Not used: this server has one, llguidance")
 
 
 # --- chat requests ----------------------------------------------------------------------------------
@@ -87,12 +122,12 @@ class ToolCall(RequestModel):
     """A call the assistant made, in the conversation's history."""
 
     id: String
-    type: String = Field(description='"function"')
+    type: Function
     function: FunctionCall
 
 
 class Message(RequestModel):
-    role: String = Field(description="system, developer, user, assistant or tool")
+    role: string(enum=ROLES)
     content: Content | None = Field(None, description="Text, or content parts; only an assistant's tool calls "
                                                       "go without")
     name: String | None = None
@@ -101,14 +136,14 @@ class Message(RequestModel):
 
 
 class FunctionDefinition(RequestModel):
-    name: String
+    name: string(min_length=1)
     description: String | None = None
     parameters: Object | None = Field(None, description="A JSON schema of the arguments")
     arguments: Object | None = Field(None, description="TGI's name for `parameters`")
 
 
 class Tool(RequestModel):
-    type: String = Field(description='"function"')
+    type: Function
     function: FunctionDefinition
 
 
@@ -138,12 +173,12 @@ RESPONSE_FORMAT = {"description": 'OpenAI\'s {"type": "text" | "json_object"}, {
 class ChatRequest(SamplingFields):
     """``POST /v1/chat/completions`` (and TGI's ``/chat_tokenize``)."""
 
-    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: integer(exclusiveMinimum=0) | None = Field(None, description="Wins over max_tokens")
     logprobs: Boolean | None = None
     top_logprobs: integer(minimum=0, maximum=20) | None = Field(None, description="Needs logprobs; <= "
                                                                                    "--max-top-n-tokens")
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     tool_prompt: String | None = Field(None, description="TGI's lead-in to the tools (tokenmill writes its own)")
     parallel_tool_calls: Boolean | None = Field(None, description="Whether the answer may call several tools")
