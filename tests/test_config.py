@@ -132,3 +132,29 @@ def test_a_config_is_frozen_and_settling_its_limits_makes_a_new_one():
     settled = config.with_limits(model_max_positions=2048, kv_tokens=8192)
     assert (config.max_input_tokens, config.max_batch_total_tokens) == (None, None)
     assert (settled.max_input_tokens, settled.max_batch_total_tokens) == (511, 8192)
+
+
+def test_api_keys_come_comma_separated_and_from_a_key_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\n\n  third  \nfirst\n", encoding="utf-8")
+    config = parse_config(["--api-key", "first, second", "--api-key-file", str(keys)], env={})
+    assert config.api_keys() == ("first", "second", "third")
+    assert config.priority_keys() is None
+    assert parse_config([], env={}).api_keys() == ()
+    assert parse_config(["--api-key", "a,b", "--priority-header-keys", "b"], env={}).priority_keys() == ("b",)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key-file", "/nonexistent/keys"], "--api-key-file /nonexistent/keys: cannot be read"),
+    (["--api-key", "a", "--priority-header-keys", "b"], "--priority-header-keys must list keys"),
+])
+def test_api_key_settings_that_cannot_work_fail_at_start(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv, env={})
+
+
+def test_a_key_file_without_a_key_fails_at_start(tmp_path):
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        parse_config(["--api-key-file", str(empty)], env={})

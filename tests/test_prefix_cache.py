@@ -463,17 +463,22 @@ def test_admission_counts_only_uncached_tokens_against_the_prefill_budget(fresh_
 
 # ---- over HTTP ------------------------------------------------------------------------------
 
-KEY = "prefix-key"
+KEY, OTHER_KEY, FILED_KEY = "prefix-key", "other-tenant", "clé-été"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def caching_server(tiny_model_dir, tmp_path_factory):
+    """Three tenants: two keys on the command line, one (not ASCII) in a key file; only the first may
+    set a priority."""
     from conftest import start_server
 
+    directory = tmp_path_factory.mktemp("prefix")
+    key_file = directory / "keys.txt"
+    key_file.write_text(f"# the third tenant\n\n{FILED_KEY}\n", encoding="utf-8")
     server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--max-total-tokens", "512",
-                           "--backend", "paged", "--api-key", KEY, "--json-output"],
-                          tmp_path_factory.mktemp("prefix"))
+                           "--backend", "paged", "--api-key", f"{KEY},{OTHER_KEY}", "--api-key-file", str(key_file),
+                           "--priority-header-keys", KEY, "--json-output"], directory)
     yield server
     server.stop()
 
@@ -649,3 +654,56 @@ def test_the_transformers_backend_says_it_keeps_no_prefix_cache(tiny_model):
     runner = chosen.backend.create(model, chosen.kv_allocator.create(model.config, torch.float32, torch.device("cpu"),
                                                                       1024, 1), chosen.attention)
     assert "transformers backend keeps no prefix cache" in prefix_caching_unavailable_reason(Config(), chosen, runner)
+
+
+def chat_cached(server, key: str | bytes, messages: list[dict], **fields) -> int:
+    """The prompt tokens a chat request took from the cache, as its usage says."""
+    token = key.encode() if isinstance(key, str) else key
+    with server.client() as client:
+        answer = client.post("/v1/chat/completions", headers={"Authorization": b"Bearer " + token},
+                             json={"messages": messages, "max_tokens": 2, "temperature": 0, **fields})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_each_api_key_is_its_own_prefix_cache_tenant_unless_requests_share_a_cache_salt(caching_server):
+    """A client cannot learn another's prompt from `cached_tokens`: hits count only within its key's part
+    of the cache; a `cache_salt` both send is a part they share on purpose."""
+    messages = [{"role": "system", "content": "Tenants. " + SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
+    assert chat_cached(caching_server, KEY, messages) == 0
+    assert chat_cached(caching_server, KEY, messages) > 0
+    assert chat_cached(caching_server, OTHER_KEY, messages) == 0, "another key's cached prompt is not a hit"
+    assert chat_cached(caching_server, OTHER_KEY, messages) > 0
+    assert chat_cached(caching_server, FILED_KEY, messages) == 0
+    salted = [{"role": "system", "content": "Shared. " + SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
+    assert chat_cached(caching_server, KEY, salted, cache_salt="team") == 0
+    assert chat_cached(caching_server, OTHER_KEY, salted, cache_salt="team") > 0
+    assert chat_cached(caching_server, OTHER_KEY, salted) == 0
+
+
+def test_a_key_from_the_key_file_is_taken_as_utf8_and_a_wrong_key_is_a_401(caching_server):
+    messages = [{"role": "user", "content": "Hi"}]
+    assert chat_cached(caching_server, FILED_KEY.encode("utf-8"), messages) == 0
+    with caching_server.client() as client:
+        for wrong in (FILED_KEY.encode("latin-1"), b"other", b"prefix-key,other-tenant"):
+            answer = client.post("/v1/chat/completions", headers={"Authorization": b"Bearer " + wrong},
+                                 json={"messages": messages, "max_tokens": 1})
+            assert answer.status_code == 401, answer.text
+
+
+def test_only_the_keys_listed_may_set_a_priority(caching_server):
+    """--priority-header-keys: from other keys the X-Priority header is ignored (a gateway may add it to
+    every request) and a `priority` parameter is refused."""
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 1}}
+    with caching_server.client() as client:
+        def post(key: str, headers: dict | None = None, **parameters):
+            payload = {**body, "parameters": {**body["parameters"], **parameters}}
+            return client.post("/generate", json=payload,
+                               headers={"Authorization": f"Bearer {key}", **(headers or {})})
+
+        assert post(KEY, {"X-Priority": "urgent"}).status_code == 422, "a listed key's header is read"
+        assert post(OTHER_KEY, {"X-Priority": "urgent"}).status_code == 200, "another key's header is ignored"
+        assert post(KEY, priority="high").status_code == 200
+        refused = post(OTHER_KEY, priority="high")
+        assert refused.status_code == 422 and "--priority-header-keys" in refused.json()["error"]
+        assert post(OTHER_KEY, priority="normal").status_code == 200

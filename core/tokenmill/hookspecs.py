@@ -74,8 +74,9 @@ def tokenmill_backends() -> list[Backend]:
     - `reset_prefix_cache()`, for `POST /reset_prefix_cache`.
 
     tokenmill offers the cache to a runner with `enable_prefix_caching()` and
-    `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's `cache_salt`
-    and LoRA adapter make its blocks' names its own (`Sequence.cache_namespace`);
+    `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's LoRA adapter
+    and its `cache_salt`, else its tenant (the API key it came with), make its blocks' names its own
+    (`Sequence.cache_namespace`);
     `tokenmill.engine.kv_cache` names blocks (`block_hash`, `full_block_hashes`);
     `tokenmill.engine.prefix` offers those too, and `BlockChain` for a runner that names its blocks as
     it fills them.

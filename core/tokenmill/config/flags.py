@@ -99,6 +99,11 @@ _HELP = {
     "api_key": ("require `Authorization: Bearer <key>` on every route but what probes, scrapers and API "
                 "descriptions read: GET /, /health, /ping, /info, /version, /metrics, /v1/models, /openapi.json, "
                 "/api-doc/openapi.json and /docs (401; default: none, no key asked)"),
+    "api_key_file": ("a file of API keys, one a line (# comments and blank lines skipped), accepted besides "
+                     "--api-key's (which takes several, comma-separated); each key's requests share prefix-cache "
+                     "entries only with that key's (or with requests giving the same cache_salt) (default: none)"),
+    "priority_header_keys": ("API keys whose requests may set their priority (X-Priority, ignored from other keys; "
+                             "the `priority` parameter, a 422 from them), comma-separated (default: any key)"),
     "cors_allow_origin": ("origins allowed to call the API from a browser, comma-separated, or * (default: no CORS "
                           "headers)"),
     "json_output": "log as JSON lines, each request's lines with its request id",

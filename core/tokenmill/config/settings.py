@@ -8,6 +8,7 @@ after loading, into a new Config (:meth:`Config.with_limits`); nothing changes o
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 MAX_SPECULATE = 32
@@ -15,6 +16,11 @@ MAX_SPECULATE = 32
 
 CPU_MIXED_PREFILL_TOKENS = 2048
 """The default prefill budget per step of a backend with mixed steps on CPU (see :meth:`Config.with_limits`)."""
+
+
+def split_keys(text: str) -> tuple[str, ...]:
+    """Comma-separated API keys, each stripped, empty ones skipped."""
+    return tuple(key.strip() for key in text.split(",") if key.strip())
 
 
 class ConfigError(Exception):
@@ -70,6 +76,8 @@ class Config:
     validation_workers: int = 2
     disable_grammar_support: bool = False
     api_key: str | None = None
+    api_key_file: str | None = None
+    priority_header_keys: str | None = None
     cors_allow_origin: str | None = None
     json_output: bool = False
     log_prompts: bool = False
@@ -164,7 +172,10 @@ class Config:
             raise ConfigError("LoRA adapters cannot shard yet: run them with --num-shard 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
-        if self.enable_profiling and not self.api_key:
+        keys = self.api_keys()
+        if self.priority_header_keys is not None and not set(split_keys(self.priority_header_keys)) <= set(keys):
+            raise ConfigError("--priority-header-keys must list keys that --api-key or --api-key-file give")
+        if self.enable_profiling and not keys:
             raise ConfigError("--enable-profiling needs --api-key: a profile shows the server's insides")
         if self.dtype not in (None, "auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be auto, float16, bfloat16 or float32 (got {self.dtype!r})")
@@ -218,6 +229,24 @@ class Config:
         if self.lora_cache_limit is not None:
             return self.lora_cache_limit
         return max(8, len(self.named_adapters()))
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys the API accepts: ``--api-key``'s (comma-separated), then ``--api-key-file``'s (one a
+        line; blank lines and ``#`` comments skipped). Empty: no key is asked."""
+        keys = split_keys(self.api_key or "")
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ConfigError(f"--api-key-file {self.api_key_file}: cannot be read ({error})") from None
+            keys += tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+            if not keys:
+                raise ConfigError(f"--api-key-file {self.api_key_file} holds no key")
+        return tuple(dict.fromkeys(keys))
+
+    def priority_keys(self) -> tuple[str, ...] | None:
+        """The keys whose requests may set their priority (``--priority-header-keys``); None: any."""
+        return None if self.priority_header_keys is None else split_keys(self.priority_header_keys)
 
     def class_weights(self) -> tuple[tuple[str, float], ...]:
         """``--priority-class-weights`` parsed: a weight for each of high, normal and low."""

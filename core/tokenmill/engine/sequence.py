@@ -48,12 +48,29 @@ class GenerationRequest:
     cache_salt: str | None = None
     """Only requests with the same salt share cached prompt blocks (so one tenant's timings tell
     nothing of another's prompts)."""
+    tenant: str | None = None
+    """Who sent it: an id derived from the API key it came with (None: the server wants no key).
+    Without a ``cache_salt``, its cached prompt blocks are shared only with the same tenant's requests."""
     min_tokens: int = 0
     """vLLM's: no EOS, stop token id or stop sequence ends it before this many tokens (the length limit still does)."""
     ignore_eos: bool = False
     """vLLM's: the model's end-of-sequence tokens do not end it (they are kept in its output)."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: generating one of these ends it, as a stop sequence would."""
+
+    @property
+    def cache_partition(self) -> str | None:
+        """Its part of the prefix cache, besides the adapter: its salt, else its tenant's (None: the
+        part every request without either shares). The parts are length-prefixed, so no salt can
+        spell another tenant's part."""
+        if self.cache_salt is not None:
+            return length_prefixed("salt", self.cache_salt)
+        return length_prefixed("key", self.tenant) if self.tenant is not None else None
+
+
+def length_prefixed(*parts: str) -> str:
+    """``parts`` joined so that no other parts join to the same text."""
+    return "".join(f"{len(part)}:{part}" for part in parts)
 
 
 @dataclass
@@ -190,9 +207,9 @@ class Sequence:
 
     @property
     def cache_namespace(self) -> str:
-        """What besides its tokens shapes its keys and values: the LoRA adapter and the cache salt."""
-        salt = self.request.cache_salt
-        return f"{self.request.adapter_id or ''}\0{'' if salt is None else salt}"
+        """What besides its tokens decides who may reuse its cached blocks: the LoRA adapter (which
+        shapes its keys and values), and the cache salt or the tenant."""
+        return length_prefixed(self.request.adapter_id or "", self.request.cache_partition or "")
 
     @property
     def wants_prompt_logits(self) -> bool:

@@ -31,6 +31,10 @@ class RequestScope:
     """Called once, the moment the client disconnects."""
     record: RequestRecord | None = None
     """The record of a generation request (made by the middleware as it arrives)."""
+    tenant: str | None = None
+    """Who sent it, named by the API key it came with (None: the server asks for no key)."""
+    may_set_priority: bool = True
+    """Whether its key may set its priority (``--priority-header-keys``)."""
 
 
 def request_scope(req: falcon.asgi.Request) -> RequestScope:
@@ -41,10 +45,29 @@ def on_disconnect(req: falcon.asgi.Request, callback: Callable[[], None]) -> Non
     request_scope(req).on_disconnect.append(callback)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """What a generation request's headers say of who sent it, as validation needs it."""
+
+    priority: str | None = None
+    """The ``X-Priority`` header's class (None: absent, or not the key's to set)."""
+    tenant: str | None = None
+    """:attr:`RequestScope.tenant`."""
+    may_set_priority: bool = True
+
+
+def caller_of(req: falcon.asgi.Request) -> Caller:
+    scope = request_scope(req)
+    return Caller(header_priority(req), scope.tenant, scope.may_set_priority)
+
+
 def header_priority(req: falcon.asgi.Request) -> str | None:
-    """The ``X-Priority`` header's priority class, normalised; None when absent."""
+    """The ``X-Priority`` header's priority class, normalised; None when absent or empty, or when the
+    request's key may not set its priority (a gateway may add the header to every request)."""
     value = req.get_header("X-Priority")
-    return value.strip().lower() if value is not None else None
+    if value is None or not value.strip() or not request_scope(req).may_set_priority:
+        return None
+    return value.strip().lower()
 
 
 async def watch_receive(req: falcon.asgi.Request) -> None:

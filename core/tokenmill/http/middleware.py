@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import time
@@ -72,19 +73,34 @@ class RequestContext:
 
 
 class ApiKeyAuth:
-    """``--api-key``: every route but the open ones wants ``Authorization: Bearer <key>``, compared
-    in constant time. CORS preflights pass (browsers send them without credentials)."""
+    """``--api-key`` / ``--api-key-file``: every route but the open ones wants ``Authorization: Bearer
+    <key>`` with one of the keys, compared in constant time (UTF-8, as clients send non-ASCII keys).
+    The key names the request's tenant (:attr:`RequestScope.tenant`). CORS preflights pass (browsers
+    send them without credentials)."""
 
-    def __init__(self, api_key: str) -> None:
-        self.expected = f"Bearer {api_key}".encode()
+    def __init__(self, keys: tuple[str, ...], priority_keys: tuple[str, ...] | None = None) -> None:
+        self.expected = [(f"Bearer {key}".encode(), tenant_of(key), priority_keys is None or key in priority_keys)
+                         for key in keys]
 
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if is_open(req):
             return
-        given = (req.get_header("Authorization") or "").encode()
-        if not hmac.compare_digest(given, self.expected):
+        # ASGI servers hand headers over as latin-1 text: its bytes are what the client sent.
+        given = (req.get_header("Authorization") or "").encode("latin-1", errors="replace")
+        matched = None
+        for expected, tenant, may_set_priority in self.expected:  # every key compared, whichever matches
+            if hmac.compare_digest(given, expected):
+                matched = tenant, may_set_priority
+        if matched is None:
             resp.set_header("WWW-Authenticate", "Bearer")
             raise ApiError(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", "authentication")
+        scope = request_scope(req)
+        scope.tenant, scope.may_set_priority = matched
+
+
+def tenant_of(key: str) -> str:
+    """A tenant's id: a digest of its key, so that nothing downstream holds the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 class Cors(falcon.CORSMiddleware):

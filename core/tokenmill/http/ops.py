@@ -66,7 +66,7 @@ class AdaptersRoute:
         refuse_cross_site(req, self.state.config.cors_allow_origin)
         cache = self.cache()
         config = self.state.config
-        if not config.api_key and not config.allow_adapter_loading:
+        if not config.api_keys() and not config.allow_adapter_loading:
             raise ApiError(403, "loading adapters at run time needs --api-key (or, on a trusted network, "
                                 "--allow-adapter-loading)", "forbidden")
         body = await read_json(req, config)

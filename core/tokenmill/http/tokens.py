@@ -10,6 +10,7 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.context import Caller
 from tokenmill.http.openai.convert import parse_chat
 from tokenmill.http.openai.routes import served_model
 from tokenmill.http.openai.schemas import ChatRequest
@@ -50,7 +51,7 @@ class ChatTokenizeRoute:
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
 
         def tokenize(validator: Validator) -> dict[str, Any]:
-            job = parse_chat(validator, request, served_model(state), None)
+            job = parse_chat(validator, request, served_model(state), Caller())
             templated = job.requests[0].inputs
             return {"tokenize_response": token_spans(validator, templated), "templated_text": templated}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenmill import __version__
 from tokenmill.engine.sequence import FinalResult, GenerationRequest
+from tokenmill.http.context import Caller
 from tokenmill.http.openai.chat import (
     ChatError,
     parse_messages,
@@ -81,11 +82,11 @@ def choice_count(n: int | None, limit: int, prompts: int = 1) -> int:
     return n
 
 
-def routing(validator: Validator, request: SamplingFields, priority: str | None) -> tuple[dict[str, Any], str | None]:
+def routing(validator: Validator, request: SamplingFields, caller: Caller) -> tuple[dict[str, Any], str | None]:
     """The TGI parameters that say where the request goes: its priority class (from ``X-Priority``)
     and the LoRA adapter its ``model`` names, which is returned too (None: the base model; any other
     name means the base model, as clients written for one model send whatever name they were given)."""
-    params: dict[str, Any] = {} if priority is None else {"priority": priority}
+    params: dict[str, Any] = {} if caller.priority is None else {"priority": caller.priority}
     adapter = validator.served_adapter(request.model)
     if adapter:
         params["adapter_id"] = adapter
@@ -129,7 +130,7 @@ class OpenAIJob:
                 "created": self.created, "model": self.model, "system_fingerprint": f"tokenmill-{__version__}"}
 
 
-def parse_chat(validator: Validator, request: ChatRequest, model: str, priority: str | None) -> OpenAIJob:
+def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: Caller) -> OpenAIJob:
     """A chat completion request, rendered and tokenized (runs on a validation worker)."""
     parallel = request.parallel_tool_calls is True  # TGI makes one call, and small models asked once call twice
     try:
@@ -141,7 +142,7 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, priority:
         grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered else None
     except ChatError as error:
         raise ValidationError(str(error)) from None
-    extra, adapter = routing(validator, request, priority)
+    extra, adapter = routing(validator, request, caller)
     constraint = output_constraint(validator.grammars, request)
     if constraint is not None:
         if grammar is not None:
@@ -160,7 +161,7 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, priority:
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = to_generate(request, max_tokens, **extra)
     generation = validator.generate(prompt, params, request.stream, add_special_tokens=False, max_top_n=max_top_n,
-                                    grammar=grammar)
+                                    grammar=grammar, tenant=caller.tenant)
     return OpenAIJob([generation], n, request.stream, include_usage(request), bool(request.logprobs),
                      adapter or model, may_call_tool=bool(offered))
 
@@ -187,7 +188,7 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return list(prompt) if isinstance(prompt[0], (str, list)) else [prompt]  # type: ignore[list-item]
 
 
-def parse_completion(validator: Validator, request: CompletionRequest, model: str, priority: str | None) -> OpenAIJob:
+def parse_completion(validator: Validator, request: CompletionRequest, model: str, caller: Caller) -> OpenAIJob:
     """A completion request: one prompt or a list, each with ``n`` choices (on a validation worker).
     ``max_tokens: 0`` with ``echo`` (a scorer's request, as vLLM takes it) scores the prompt: one token
     is generated and left out of the response."""
@@ -203,7 +204,7 @@ def parse_completion(validator: Validator, request: CompletionRequest, model: st
         if stream:
             raise ValidationError("`max_tokens: 0` (scoring the echoed prompt) is not supported when streaming")
         max_tokens = 1
-    extra, adapter = routing(validator, request, priority)
+    extra, adapter = routing(validator, request, caller)
     constraint = output_constraint(validator.grammars, request)
     grammar = constrained(extra, constraint) if constraint is not None else None
     max_top_n = min(MAX_COMPLETION_LOGPROBS, validator.config.max_top_n_tokens)
@@ -221,6 +222,7 @@ def parse_completion(validator: Validator, request: CompletionRequest, model: st
     for prompt in prompts:
         ids = None if isinstance(prompt, str) else token_id_prompt(prompt, validator.vocab_size)
         text = prompt if isinstance(prompt, str) else validator.tokenizer.decode(ids)
-        requests.append(validator.generate(text, params, stream, max_top_n=max_top_n, input_ids=ids, grammar=grammar))
+        requests.append(validator.generate(text, params, stream, max_top_n=max_top_n, input_ids=ids, grammar=grammar,
+                                           tenant=caller.tenant))
     return OpenAIJob(requests, n, stream, include_usage(request), request.logprobs is not None, adapter or model,
                      echo=echo, scores_prompt=scoring)

@@ -11,7 +11,7 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent
 from tokenmill.http.body import read_json
-from tokenmill.http.context import header_priority, record_of
+from tokenmill.http.context import caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.openai.convert import OpenAIJob, parse_chat, parse_completion
 from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest
@@ -37,10 +37,10 @@ class OpenAIRoute:
         try:
             body = await read_json(req, state.config)
             shape, parse = (ChatRequest, parse_chat) if self.chat else (CompletionRequest, parse_completion)
-            model, priority = served_model(state), header_priority(req) or None  # an empty header: the default
+            model, caller = served_model(state), caller_of(req)
 
             def checked(validator: Validator) -> OpenAIJob:  # on a validation worker
-                return parse(validator, check_body(shape, body), model, priority)
+                return parse(validator, check_body(shape, body), model, caller)
 
             job = await generation.validate(checked)
         except BaseException:

@@ -10,7 +10,7 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
 from tokenmill.http.body import ApiError, read_json
-from tokenmill.http.context import header_priority, record_of
+from tokenmill.http.context import Caller, caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.http.state import ServerState, Slot
@@ -78,15 +78,13 @@ class GenerateRoute:
         body = await read_json(req, self.state.config)
         shape = GenerateRequest if self.stream is not None else CompatGenerateRequest
 
-        priority = header_priority(req)
+        caller = caller_of(req)
 
         def checked(validator: Validator) -> tuple[GenerationRequest, bool]:  # on a validation worker
             request = check_body(shape, body)
-            params = request.parameters
-            if priority is not None and "priority" not in params.model_fields_set:  # the body's wins
-                params = check_body(GenerateParameters, {**params.model_dump(exclude_unset=True), "priority": priority})
+            params = with_priority(request.parameters, caller)
             stream = self.stream if self.stream is not None else bool(request.stream)
-            return validator.generate(request.inputs, params, stream), stream
+            return validator.generate(request.inputs, params, stream, tenant=caller.tenant), stream
 
         return await self.generation.validate(checked)
 
@@ -110,6 +108,18 @@ class GenerateRoute:
             async for _, event in events:
                 body = event.as_json() if isinstance(event, ErrorEvent) else stream_json(event, request)
                 yield falcon.asgi.SSEvent(json=body)
+
+
+def with_priority(params: GenerateParameters, caller: Caller) -> GenerateParameters:
+    """``params`` with the ``X-Priority`` header's class, unless the body gives one (which wins); a body
+    ``priority`` from a key that may not set it is refused."""
+    if "priority" in params.model_fields_set:
+        if not caller.may_set_priority and params.priority != "normal":
+            raise ValidationError("`priority`: this API key may not set a priority (--priority-header-keys)")
+        return params
+    if caller.priority is None:
+        return params
+    return check_body(GenerateParameters, {**params.model_dump(exclude_unset=True), "priority": caller.priority})
 
 
 class TokenizeRoute:

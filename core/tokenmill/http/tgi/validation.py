@@ -56,10 +56,11 @@ class Validator:
 
     def generate(self, inputs: str, params: GenerateParameters, stream: bool, *, add_special_tokens: bool = True,
                  max_top_n: int | None = None, grammar: Grammar | None = None,
-                 input_ids: list[int] | None = None) -> GenerationRequest:
+                 input_ids: list[int] | None = None, tenant: str | None = None) -> GenerationRequest:
         """A GenerationRequest for the engine, or ValidationError with TGI's message. The OpenAI routes pass
         a rendered chat prompt (special tokens in its text), their top-logprobs limit, the grammar they
-        compiled, and a prompt given as token ids (``input_ids``; ``inputs`` is then their text)."""
+        compiled, and a prompt given as token ids (``input_ids``; ``inputs`` is then their text). ``tenant``:
+        who sent it (its prefix-cache part, without a ``cache_salt``)."""
         config, sampling = self.config, sampling_params(params, self.vocab_size)
         max_top_n = config.max_top_n_tokens if max_top_n is None else max_top_n
         self._check_limits(params, sampling, stream, max_top_n)
@@ -87,7 +88,7 @@ class Validator:
             best_of=params.best_of or 1, priority=params.priority, grammar=grammar, min_tokens=params.min_tokens or 0,
             # The salt keeps tenants apart: it stays out of what hooks and the request log see.
             parameters=params.model_dump(exclude_unset=True, exclude={"cache_salt"}), cache_salt=params.cache_salt,
-            ignore_eos=params.ignore_eos, adapter_id=self.adapter(params.adapter_id, "adapter_id"),
+            ignore_eos=params.ignore_eos, adapter_id=self.adapter(params.adapter_id, "adapter_id"), tenant=tenant,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)))
         refused = self.unavailable_reason(request) if self.unavailable_reason is not None else None
         if refused:

@@ -186,11 +186,12 @@ class VllmRunner:
 
 
 def vllm_prompt(seq: Sequence) -> dict[str, Any]:
-    """The sequence's prompt as vLLM takes it: token ids, and the request's cache salt, if any."""
+    """The sequence's prompt as vLLM takes it: token ids, and the request's part of the prefix cache
+    (its cache salt, else its tenant's) as vLLM's cache salt, if it has one."""
     prompt: dict[str, Any] = {"prompt_token_ids": seq.prompt_ids}
-    salt = getattr(seq.request, "cache_salt", None)
-    if salt is not None:
-        prompt["cache_salt"] = salt
+    partition = getattr(seq.request, "cache_partition", None)
+    if partition is not None:
+        prompt["cache_salt"] = partition
     return prompt
 
 
