@@ -217,3 +217,37 @@ def test_parameters_of_the_wrong_type_are_a_422_with_or_without_a_priority_heade
             answer = client.post("/generate", json={"inputs": "Hi", "parameters": parameters}, headers=headers)
             assert "parameters" in error_of(answer)
 
+
+
+def closed_within(connection: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``connection`` within ``seconds`` (reading whatever it sends first)."""
+    connection.settimeout(seconds)
+    try:
+        while connection.recv(4096):
+            pass
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_clients_that_send_their_headers_slowly_are_closed_at_the_deadline(server):
+    """The header phase has the body's deadline: a connection that sends nothing, half a request, or
+    half of a second request after a first one, is closed; the one that finished its headers is not."""
+    host, port = server.url.removeprefix("http://").split(":")
+    silent = socket.create_connection((host, int(port)))
+    partial = socket.create_connection((host, int(port)))
+    partial.sendall(b"POST /generate HTTP/1.1\r\nHost: tokenmill\r\n")
+    kept_alive = socket.create_connection((host, int(port)))
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: tokenmill\r\n\r\n")
+    assert kept_alive.recv(4096).startswith(b"HTTP/1.1 200")
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\n")
+    started = time.monotonic()
+    try:
+        for connection in (silent, partial, kept_alive):
+            assert closed_within(connection, BODY_SECONDS + 10)
+        assert time.monotonic() - started >= BODY_SECONDS - 0.5
+    finally:
+        for connection in (silent, partial, kept_alive):
+            connection.close()
+    with server.client() as client:
+        assert client.get("/health").status_code == 200

@@ -87,7 +87,8 @@ _HELP = {
     "port": "port to listen on (also read from PORT, as serverless platforms set it)",
     "payload_limit": "largest request body in bytes (413 above it)",
     "body_read_timeout": ("seconds a client may take to send its request body: 408 after it, and its "
-                          "concurrency slot is free again (a client that sends slowly holds no slot for long)"),
+                          "concurrency slot is free again (a client that sends slowly holds no slot for long); "
+                          "a request's headers get as long, then the connection is closed"),
     "max_failed_steps": "engine steps failing in a row that break the engine (/health 503, exit status 3)",
     "step_timeout": "seconds one engine step may run (sharded or not) before the engine counts as broken",
     "stream_idle_timeout": "seconds a stream may leave its full buffer unread before it is ended and its KV freed",

@@ -32,6 +32,7 @@ from uvicorn_worker import UvicornWorker
 
 from tokenmill.config import Config, parse_config
 from tokenmill.http.app import ServerState, create_app
+from tokenmill.http.connections import connection_settings
 from tokenmill.observability.logs import gunicorn_logconfig
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, config: Config) -> uvicorn.Config:
     return uvicorn.Config(app, host=config.hostname, port=config.port, log_config=None,
-                          timeout_graceful_shutdown=5, lifespan="on")
+                          timeout_graceful_shutdown=5, lifespan="on", **connection_settings(config))
 
 
 def serve(config: Config) -> int:
@@ -117,7 +118,7 @@ def serve(config: Config) -> int:
 class TokenmillWorker(UvicornWorker):
     """gunicorn's uvicorn worker running :class:`DrainingServer`."""
 
-    CONFIG_KWARGS = {"loop": "auto", "http": "auto", "lifespan": "on", "timeout_graceful_shutdown": 5}
+    CONFIG_KWARGS: dict[str, Any] = {"loop": "auto", "http": "auto", "lifespan": "on", "timeout_graceful_shutdown": 5}
 
     async def _serve(self) -> None:
         from gunicorn.arbiter import Arbiter
@@ -181,6 +182,9 @@ def app_from_environment() -> Any:
 
 def _serve_gunicorn(config: Config) -> int:
     from gunicorn.app.base import BaseApplication
+
+    # Set before gunicorn forks its worker, which builds its uvicorn settings from them.
+    TokenmillWorker.CONFIG_KWARGS = {**TokenmillWorker.CONFIG_KWARGS, **connection_settings(config)}
 
     class TokenmillApplication(BaseApplication):  # type: ignore[misc]
         def load_config(self) -> None:
