@@ -71,6 +71,18 @@ def test_the_command_exits_2_with_the_reason(capsys):
     assert "give at least one --model" in capsys.readouterr().err
 
 
+def test_models_take_a_body_limit_and_the_nginx_config_reads_bodies_whole_within_the_servers_deadline(capsys):
+    (model,) = parse_models(["small=http://127.0.0.1:8001,max-body=4096"])
+    assert model.max_body == 4096 and parse_models(["big=http://h:1"])[0].max_body == 2_000_000
+    config = generated(capsys, "--format", "nginx", "--model", "small=http://h:1,max-body=4096",
+                       "--model", "big=http://h:2")
+    assert "proxy_request_buffering off" not in config, "a slow body must not reach a server's concurrency place"
+    assert "client_body_timeout 30s;" in config and "client_header_timeout 30s;" in config
+    assert "client_max_body_size 4096;" in config and "client_max_body_size 2000000;" in config
+    with pytest.raises(GatewayConfigError, match="max-body takes a whole number"):
+        parse_models(["small=http://h:1,max-body=lots"])
+
+
 def test_the_command_needs_no_model_and_does_not_import_torch():
     probe = ("import sys; from tokenmill.cli import main; "
              "code = main(['gateway-config', '--format', 'envoy', '--listen', ':81', '--model', 'a=http://h:1']); "
@@ -140,6 +152,7 @@ def two_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 GATEWAY_MAX_CONNECTIONS = 4
 """Requests in flight to one model that the test gateway lets through."""
+GATEWAY_MAX_BODY = 65536
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +161,7 @@ def gateway(nginx: str, two_models, tmp_path_factory: pytest.TempPathFactory):
     prefix = tmp_path_factory.mktemp("nginx")
     port = free_port()
     config = prefix / "nginx.conf"
-    models = [f"{name}={server.url},timeout=60,max-connections={GATEWAY_MAX_CONNECTIONS}"
+    models = [f"{name}={server.url},timeout=60,max-connections={GATEWAY_MAX_CONNECTIONS},max-body={GATEWAY_MAX_BODY}"
               for name, server in servers.items()]
     config.write_text(render_nginx(port, models))
     process = subprocess.Popen([nginx, "-p", str(prefix), "-c", str(config)], stdout=subprocess.PIPE,
@@ -313,3 +326,25 @@ def test_the_example_gateway_deployment_serves_the_generated_config_for_each_mod
     upstreams = {line.split("http://")[1].split(":")[0] for line in (EXAMPLE / "example.sh").read_text().splitlines()
                  if "--model " in line}
     assert upstreams == services
+
+
+def test_a_body_over_the_models_limit_is_tgis_json_413_at_the_gateway(gateway):
+    answer = httpx.post(gateway + "/generate", headers={"x-model": "first"},
+                        json={"inputs": "x" * (GATEWAY_MAX_BODY + 1)})
+    assert answer.status_code == 413 and answer.json()["error_type"] == "validation", answer.text
+
+
+def test_a_body_sent_slowly_is_held_at_the_gateway_not_in_a_servers_concurrency_place(gateway, two_models):
+    servers, _ = two_models
+    host, port = gateway.removeprefix("http://").split(":")
+    stalled = socket.create_connection((host, int(port)))
+    stalled.sendall(b"POST /generate HTTP/1.1\r\nHost: gateway\r\nx-model: first\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    try:
+        time.sleep(1)
+        metrics = httpx.get(servers["first"].url + "/metrics").text
+        assert "tokenmill_requests_in_flight 0.0" in metrics
+        assert httpx.post(gateway + "/generate", headers={"x-model": "first"}, json=GREEDY,
+                          timeout=60).status_code == 200
+    finally:
+        stalled.close()

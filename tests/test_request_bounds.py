@@ -159,13 +159,29 @@ def test_a_post_without_a_body_or_a_type_is_the_422_of_a_missing_object(server):
         assert "must be a JSON object" in error_of(client.post("/generate"))
 
 
-def stalled_body(url: str) -> socket.socket:
+def stalled_body(url: str, path: str = "/generate") -> socket.socket:
     """A connection that sends a POST's headers and one byte of its body, then nothing."""
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     connection = socket.create_connection((host, int(port)))
-    connection.sendall(b"POST /generate HTTP/1.1\r\nHost: tokenmill\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 1000000\r\n\r\n{")
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: tokenmill\r\nContent-Type: application/json\r\n"
+                       "Content-Length: 1000000\r\n\r\n{".encode())
     return connection
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/chat_tokenize", "/detokenize", "/invocations"])
+def test_every_route_that_reads_a_body_holds_a_concurrency_place_while_it_does(server, path):
+    stalled = [stalled_body(server.url, path) for _ in range(2)]  # --max-concurrent-requests 2
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 1}}
+    try:
+        time.sleep(0.5)
+        with server.client() as client:
+            assert client.post("/generate", json=body).status_code == 429
+            assert client.post("/tokenize", json={"inputs": "Hi"}).status_code == 429
+            assert [connection.recv(200).split(b" ", 2)[1] for connection in stalled] == [b"408"] * 2
+            assert client.post("/generate", json=body).status_code == 200
+    finally:
+        for connection in stalled:
+            connection.close()
 
 
 def test_clients_that_send_their_bodies_slowly_hold_no_slot_past_the_body_timeout(server):

@@ -16,6 +16,9 @@ from tokenmill.observability.telemetry import RequestRecord
 if TYPE_CHECKING:
     from tokenmill.http.state import ServerState
 
+HANDED_SLOT = "slot"
+"""The ``req.context`` key of a concurrency place a dispatching route took and hands over."""
+
 SCOPE_KEY = "tokenmill"
 """The one entry tokenmill keeps in an ASGI scope: the request's :class:`RequestScope`."""
 

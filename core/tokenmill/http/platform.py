@@ -14,6 +14,7 @@ import falcon.asgi
 
 from tokenmill import __version__
 from tokenmill.http.body import read_json
+from tokenmill.http.context import HANDED_SLOT
 from tokenmill.http.ops import HealthRoute
 from tokenmill.http.state import ServerState
 
@@ -42,14 +43,20 @@ class InvocationsRoute:
         self.generate = generate
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """The place is taken before the body is read, and handed over with it to the route it picks."""
         self.state.ready_engine()
-        body = await read_json(req, self.state.config)
-        route = self.generate
-        if isinstance(body, dict) and "messages" in body:
-            route = self.chat
-        elif isinstance(body, dict) and "prompt" in body and "inputs" not in body:
-            route = self.completions
-        await route.on_post(req, resp)
+        slot = req.context[HANDED_SLOT] = self.state.take_slot()
+        try:
+            body = await read_json(req, self.state.config)
+            route = self.generate
+            if isinstance(body, dict) and "messages" in body:
+                route = self.chat
+            elif isinstance(body, dict) and "prompt" in body and "inputs" not in body:
+                route = self.completions
+            await route.on_post(req, resp)
+        finally:
+            if req.context.pop(HANDED_SLOT, None) is not None:  # the route never took it
+                slot.release()
 
 
 class VersionRoute:

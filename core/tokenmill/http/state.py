@@ -4,10 +4,12 @@ its readiness and drain, and the ``--max-concurrent-requests`` slots."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pluggy
@@ -71,6 +73,16 @@ class Slot:
             self.state.in_flight -= 1
             if self.adapter is not None and self.state.adapters is not None:
                 self.state.adapters.release(self.adapter)
+
+
+@contextlib.contextmanager
+def slot_held(state: ServerState) -> Iterator[Slot]:
+    """A place held while a route that reads a body but generates nothing (/tokenize and the like) runs."""
+    slot = state.take_slot()
+    try:
+        yield slot
+    finally:
+        slot.release()
 
 
 class ServerState:
@@ -241,9 +253,12 @@ class ServerState:
             "adapters_waiting": {entry["adapter_id"] for entry in view["pending"] if entry["adapter_id"]},
         }
 
-    def take_slot(self) -> Slot:
+    def take_slot(self, handed: Slot | None = None) -> Slot:
         """One of the ``--max-concurrent-requests`` places, taken before the request is even read
-        (as TGI takes its permit first), or 429."""
+        (as TGI takes its permit first), or 429. ``handed``: the place a dispatching route (SageMaker's
+        /invocations) took for the request already, which it keeps."""
+        if handed is not None:
+            return handed
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
         self.in_flight += 1

@@ -15,7 +15,8 @@ from tokenmill.http.openai.convert import parse_chat
 from tokenmill.http.openai.routes import served_model
 from tokenmill.http.openai.schemas import ChatRequest
 from tokenmill.http.schemas import ValidationError, check_body
-from tokenmill.http.state import ServerState
+from tokenmill.http.schemas.ops import DetokenizeRequest
+from tokenmill.http.state import ServerState, slot_held
 from tokenmill.http.tgi.validation import Validator
 
 
@@ -42,35 +43,20 @@ class ChatTokenizeRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         state = self.state
         validator = serving_validator(state)
-        body = await read_json(req, state.config)
-        try:
-            request = check_body(ChatRequest, body)
-        except ValidationError as error:
-            raise ApiError(422, str(error), "validation") from None
         if not getattr(validator.tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
 
-        def tokenize(validator: Validator) -> dict[str, Any]:
-            job = parse_chat(validator, request, served_model(state), Caller())
+        def tokenize(validator: Validator) -> dict[str, Any]:  # on a validation worker, the body's shape too
+            job = parse_chat(validator, check_body(ChatRequest, body), served_model(state), Caller())
             templated = job.requests[0].inputs
             return {"tokenize_response": token_spans(validator, templated), "templated_text": templated}
 
-        try:
-            resp.media = await state.workers.validate(tokenize)
-        except ValidationError as error:
-            raise ApiError(422, str(error), "validation") from None
-
-
-def token_ids(body: Any, vocab_size: int) -> list[int]:
-    """The ``tokens`` of a detokenize request: a list of ids the model has."""
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ApiError(422, "`tokens` must be a list of token ids (integers)", "validation")
-    beyond = [t for t in tokens if not 0 <= t < vocab_size]
-    if beyond:
-        raise ApiError(422, f"`tokens`: {beyond[0]} is not a token id of this model (0 to {vocab_size - 1})",
-                       "validation")
-    return tokens
+        with slot_held(state):
+            body = await read_json(req, state.config)
+            try:
+                resp.media = await state.workers.validate(tokenize)
+            except ValidationError as error:
+                raise ApiError(422, str(error), "validation") from None
 
 
 class DetokenizeRoute:
@@ -81,11 +67,22 @@ class DetokenizeRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         state = self.state
-        vocab_size = serving_validator(state).vocab_size
-        body = await read_json(req, state.config)
-        tokens = token_ids(body, vocab_size)
-        text = await state.workers.validate(lambda validator: validator.tokenizer.decode(tokens))
-        resp.media = {"prompt": text}
+        serving_validator(state)
+
+        def detokenize(validator: Validator) -> str:  # on a validation worker, the body's shape too
+            tokens = check_body(DetokenizeRequest, body).tokens
+            beyond = [t for t in tokens if not 0 <= t < validator.vocab_size]
+            if beyond:
+                raise ValidationError(f"`tokens`: {beyond[0]} is not a token id of this model "
+                                      f"(0 to {validator.vocab_size - 1})")
+            return validator.tokenizer.decode(tokens)
+
+        with slot_held(state):
+            body = await read_json(req, state.config)
+            try:
+                resp.media = {"prompt": await state.workers.validate(detokenize)}
+            except ValidationError as error:
+                raise ApiError(422, str(error), "validation") from None
 
 
 def tokenizer_config(tokenizer: Any) -> dict[str, Any]:

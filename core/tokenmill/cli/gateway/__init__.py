@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from tokenmill.cli.gateway import envoy, nginx
 from tokenmill.cli.gateway.spec import (
+    DEFAULT_MAX_BODY,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT_S,
     Gateway,
@@ -34,9 +35,11 @@ def parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     found.add_argument("--format", choices=("nginx", "envoy"), required=True)
     found.add_argument("--listen", default="0.0.0.0:8080", help="HOST:PORT the gateway listens on (0.0.0.0:8080)")
-    found.add_argument("--model", action="append", default=[], metavar="NAME=URL[,timeout=S][,max-connections=N]",
-                       help=f"a model and one instance of it (repeat; timeout {DEFAULT_TIMEOUT_S} s and "
-                            f"max-connections {DEFAULT_MAX_CONNECTIONS} unless given)")
+    found.add_argument("--model", action="append", default=[],
+                       metavar="NAME=URL[,timeout=S][,max-connections=N][,max-body=BYTES]",
+                       help=f"a model and one instance of it (repeat; timeout {DEFAULT_TIMEOUT_S} s, "
+                            f"max-connections {DEFAULT_MAX_CONNECTIONS} and max-body {DEFAULT_MAX_BODY} "
+                            "(the servers' --payload-limit) unless given)")
     return found
 
 

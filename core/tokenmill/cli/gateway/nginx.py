@@ -2,18 +2,21 @@
 
 Every path in it (pid, logs, request and response buffers) is relative, so under the prefix
 ``DIR``. A request's ``x-model`` picks, through a ``map``, an internal location per model: there
-its timeout and connection limit apply and the request goes to that model's ``upstream``, with
-response buffering off so that server-sent events pass as they are produced.
+its timeout, body size and connection limits apply and the request goes to that model's ``upstream``,
+its body read whole first (request buffering), with response buffering off so that server-sent
+events pass as they are produced.
 """
 
 from __future__ import annotations
 
 from tokenmill.cli.gateway.spec import (
+    BODY_TIMEOUT_S,
     Gateway,
     Model,
     missing_model_body,
     overloaded_body,
     status_body,
+    too_large_body,
     unavailable_body,
     unknown_model_body,
 )
@@ -53,7 +56,11 @@ def render(gateway: Gateway) -> str:
         "    fastcgi_temp_path fastcgi_temp;",
         "    uwsgi_temp_path uwsgi_temp;",
         "    scgi_temp_path scgi_temp;",
-        "    client_max_body_size 16m;",
+        f"    client_max_body_size {max(model.max_body for model in gateway.models)};",
+        "    # Bodies are read whole, within the servers' own deadlines, before a model's server sees them:",
+        "    # a client that sends slowly holds a gateway connection, never a server's concurrency place.",
+        f"    client_header_timeout {BODY_TIMEOUT_S}s;",
+        f"    client_body_timeout {BODY_TIMEOUT_S}s;",
         "    default_type application/json;",
         "    server_tokens off;",
         "",
@@ -76,6 +83,7 @@ def render(gateway: Gateway) -> str:
         f"        listen {listen_address(gateway)};",
         "        error_page 502 503 504 = @unavailable;",
         "        error_page 429 = @overloaded;",
+        "        error_page 413 = @too_large;",
         "",
         "        location = / {",
         "            if ($tokenmill_gateway_itself) {",
@@ -97,6 +105,9 @@ def render(gateway: Gateway) -> str:
         *(line for model in gateway.models for line in model_location(model)),
         "        location @unavailable {",
         f"            return 502 {quoted(unavailable_body())};",
+        "        }",
+        "        location @too_large {",
+        f"            return 413 {quoted(too_large_body())};",
         "        }",
         "        location @overloaded {",
         f"            return 429 {quoted(overloaded_body())};",
@@ -128,6 +139,7 @@ def model_location(model: Model) -> list[str]:
         f"        location ^~ {INTERNAL}/{model.upstream}/ {{",
         "            internal;",
         f"            limit_conn tokenmill_models {model.max_connections};",
+        f"            client_max_body_size {model.max_body};",
         f"            rewrite ^{INTERNAL}/{model.upstream}(/.*)$ $1 break;",
         f"            proxy_pass http://{model.upstream};",
         "            proxy_http_version 1.1;",
@@ -137,7 +149,6 @@ def model_location(model: Model) -> list[str]:
         "            proxy_set_header X-Forwarded-Proto $scheme;",
         "            proxy_buffering off;",
         "            proxy_ignore_headers X-Accel-Buffering;  # unbuffered whatever the server asks",
-        "            proxy_request_buffering off;",
         "            proxy_cache off;",
         f"            proxy_connect_timeout {min(model.timeout_s, CONNECT_TIMEOUT_S)}s;",
         f"            proxy_read_timeout {timeout};",

@@ -13,6 +13,10 @@ from urllib.parse import urlsplit
 DEFAULT_TIMEOUT_S = 600
 """A generation's whole time may be minutes (long outputs, a queue); TGI's clients wait that long too."""
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BODY = 2_000_000
+"""tokenmill's own --payload-limit: a larger body is refused at the gateway, before it is read."""
+BODY_TIMEOUT_S = 30
+"""tokenmill's --body-read-timeout: a client's headers, and its body, must arrive within it (nginx: 408)."""
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 """What a model's name may be: it becomes part of an nginx upstream and an Envoy cluster name."""
 LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -54,6 +58,8 @@ class Model:
     """How long a request may wait for its response's next bytes (a stream's next event)."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     """Requests in flight to this model, over all its instances, before the gateway answers 429."""
+    max_body: int = DEFAULT_MAX_BODY
+    """The largest request body the gateway takes for this model (its servers' --payload-limit)."""
 
     @property
     def upstream(self) -> str:
@@ -94,12 +100,14 @@ def parse_instance(name: str, url: str) -> Instance:
 
 
 def parse_models(specs: Sequence[str]) -> list[Model]:
-    """The models of ``--model NAME=URL[,timeout=SECONDS][,max-connections=N]`` arguments, in order."""
+    """The models of ``--model NAME=URL[,timeout=SECONDS][,max-connections=N][,max-body=BYTES]`` arguments,
+    in order."""
     models: dict[str, Model] = {}
     for spec in specs:
         name, equals, rest = spec.partition("=")
         if not equals or not rest:
-            raise GatewayConfigError(f"--model {spec!r}: expected NAME=URL[,timeout=SECONDS][,max-connections=N]")
+            raise GatewayConfigError(f"--model {spec!r}: expected NAME=URL[,timeout=SECONDS][,max-connections=N]"
+                                     "[,max-body=BYTES]")
         if not NAME.match(name):
             raise GatewayConfigError(f"--model {spec!r}: a model name is letters, digits, '.', '_' and '-' "
                                      "(at most 63), starting with a letter or digit")
@@ -131,8 +139,10 @@ def apply_option(model: Model, spec: str, option: str) -> None:
         model.timeout_s = int(value)
     elif key == "max-connections":
         model.max_connections = int(value)
+    elif key == "max-body":
+        model.max_body = int(value)
     else:
-        raise GatewayConfigError(f"--model {spec!r}: unknown option {key!r} (timeout, max-connections)")
+        raise GatewayConfigError(f"--model {spec!r}: unknown option {key!r} (timeout, max-connections, max-body)")
 
 
 def error_body(message: str, error_type: str) -> str:
@@ -155,6 +165,11 @@ def unavailable_body(model: str | None = None) -> str:
     which = f"model {model}" if model else "the model"
     return error_body(f"no instance of {which} answered: it is down, starting or unreachable; retry later",
                       "unavailable")
+
+
+def too_large_body() -> str:
+    return error_body("the request body is larger than this gateway takes for the model (its max-body)",
+                      "validation")
 
 
 def overloaded_body(model: str | None = None) -> str:

@@ -11,7 +11,7 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent
 from tokenmill.http.body import read_json
-from tokenmill.http.context import caller_of, record_of
+from tokenmill.http.context import HANDED_SLOT, caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.openai.convert import OpenAIJob, parse_chat, parse_completion
 from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest
@@ -33,7 +33,7 @@ class OpenAIRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         generation, state = self.generation, self.state
         state.ready_engine()
-        slot = state.take_slot()
+        slot = state.take_slot(req.context.pop(HANDED_SLOT, None))
         try:
             body = await read_json(req, state.config)
             shape, parse = (ChatRequest, parse_chat) if self.chat else (CompletionRequest, parse_completion)

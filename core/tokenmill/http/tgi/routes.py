@@ -10,10 +10,10 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
 from tokenmill.http.body import ApiError, read_json
-from tokenmill.http.context import Caller, caller_of, record_of
+from tokenmill.http.context import HANDED_SLOT, Caller, caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.schemas import ValidationError, check_body
-from tokenmill.http.state import ServerState, Slot
+from tokenmill.http.state import ServerState, Slot, slot_held
 from tokenmill.http.tgi.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest
 from tokenmill.http.tgi.validation import Validator
 
@@ -62,7 +62,7 @@ class GenerateRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.state.ready_engine()
-        slot = self.state.take_slot()
+        slot = self.state.take_slot(req.context.pop(HANDED_SLOT, None))
         try:
             request, stream = await self.prepare(req)
         except BaseException:
@@ -128,18 +128,21 @@ class TokenizeRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.state.ready_engine()
-        body = await read_json(req, self.state.config)
-        try:  # TGI reads /tokenize's body as a generate request: its parameters are checked, then unused
-            inputs = check_body(GenerateRequest, body).inputs
-        except ValidationError as error:
-            raise ApiError(422, str(error), "validation") from None
         validator = self.state.workers.first
         assert validator is not None
         if not getattr(validator.tokenizer, "is_fast", False):
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
-        encoding = await self.state.workers.validate(
-            lambda validator: validator.tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True))
-        resp.media = [
-            {"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
-            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
-        ]
+
+        def tokenize(validator: Validator) -> list[dict[str, Any]]:  # on a validation worker, the shape too
+            # TGI reads /tokenize's body as a generate request: its parameters are checked, then unused.
+            inputs = check_body(GenerateRequest, body).inputs
+            encoding = validator.tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True)
+            return [{"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
+                    for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
+        with slot_held(self.state):
+            body = await read_json(req, self.state.config)
+            try:
+                resp.media = await self.state.workers.validate(tokenize)
+            except ValidationError as error:
+                raise ApiError(422, str(error), "validation") from None
