@@ -267,3 +267,31 @@ def test_clients_that_send_their_headers_slowly_are_closed_at_the_deadline(serve
             connection.close()
     with server.client() as client:
         assert client.get("/health").status_code == 200
+
+
+def test_a_log_line_escapes_client_text_and_caps_each_field(server):
+    """A client's text cannot end a log line (forging another) nor make one megabytes long."""
+    with server.client() as client:
+        answer = client.post("/generate", json={
+            "inputs": "Hi", "parameters": {"max_new_tokens": 1, "junk": "\nFORGED" + "x" * 100_000}})
+    assert answer.status_code == 200
+    lines = server.log().splitlines()
+    assert any("generate succeeded" in line and "FORGEDxxxx" in line for line in lines), lines[-5:]
+    assert not any(line.startswith("FORGED") for line in lines)
+    assert all(len(line) < 8 * 1024 for line in lines), max(len(line) for line in lines)
+
+
+def test_log_formatters_escape_control_characters_and_cap_fields():
+    import logging
+
+    from tokenmill.observability.logs import MAX_FIELD_CHARS, JsonFormatter, PlainFormatter
+
+    record = logging.LogRecord("tokenmill", logging.INFO, __file__, 1, "failed: %s", ("bad\nFORGED\r\x1b[31m",),
+                               None)
+    record.fields = {"parameters": {"stop": ["y" * 10_000]}, "route": "generate"}
+    plain = PlainFormatter().format(record)
+    assert "\n" not in plain and "\r" not in plain and "\x1b" not in plain and "bad\\nFORGED" in plain
+    assert len(plain) < 2 * MAX_FIELD_CHARS + 200 and 'route="generate"' in plain
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["message"] == "failed: bad\nFORGED\r\x1b[31m"  # JSON escapes it in the line itself
+    assert len(entry["fields"]["parameters"]) < MAX_FIELD_CHARS + 50 and entry["fields"]["route"] == "generate"

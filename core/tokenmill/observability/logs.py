@@ -28,6 +28,29 @@ class RequestIdFilter(logging.Filter):
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+MAX_MESSAGE_CHARS = 4096
+MAX_FIELD_CHARS = 2048
+"""A field's most characters, as JSON (a request's ``parameters`` may be megabytes of client text)."""
+MAX_PROMPT_CHARS = 32768
+"""The ``inputs`` field's (``--log-prompts``)."""
+CONTROL_ESCAPES = {**{code: f"\\x{code:02x}" for code in (*range(32), 127, 0x85)},
+                   9: "\\t", 10: "\\n", 13: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+"""Characters that would end or forge a plain log line, and how they are written instead."""
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def capped(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each one over its limit replaced by the start of its JSON text."""
+    result = {}
+    for key, value in fields.items():
+        text = json.dumps(value, default=str)
+        limit = MAX_PROMPT_CHARS if key == "inputs" else MAX_FIELD_CHARS
+        result[key] = value if len(text) <= limit else cut(text, limit)
+    return result
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -35,30 +58,35 @@ class JsonFormatter(logging.Formatter):
             "timestamp": self.formatTime(record),
             "level": record.levelname,
             "target": record.name,
-            "message": record.getMessage(),
+            "message": cut(record.getMessage(), MAX_MESSAGE_CHARS),
         }
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             entry["request_id"] = request_id
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
-            entry["fields"] = fields
+            entry["fields"] = capped(fields)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
 class PlainFormatter(logging.Formatter):
-    """A line of text; a record's ``fields`` follow its message as ``key=value`` pairs."""
+    """A line of text; a record's ``fields`` follow its message as ``key=value`` pairs. Control
+    characters in the message are escaped, so that no client text can end the line or forge another."""
 
     def __init__(self) -> None:
         super().__init__(PLAIN_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = cut(record.message, MAX_MESSAGE_CHARS).translate(CONTROL_ESCAPES)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
-            line += "".join(f" {key}={json.dumps(value, default=str)}" for key, value in fields.items())
+            line += "".join(f" {key}={json.dumps(value, default=str)}" for key, value in capped(fields).items())
         return line
 
 
