@@ -174,6 +174,7 @@ def test_health_info_and_metrics(tiny_server):
     assert [s["stage"] for s in info["load_stages"]] == ["resolving", "loading weights", "packing weights",
                                                          "warm-up"]
     assert all(s["seconds"] >= 0 for s in info["load_stages"])
+    assert "/" not in " ".join(s["detail"] for s in info["load_stages"]), "/info tells where files are"
     assert "tgi_queue_size 0" in metrics and "tgi_batch_current_size 0" in metrics
     if tiny_server.backend == "paged":
         assert info["kv_allocator"] == "paged" and info["block_size"] == 16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 from typing import Any
 
@@ -189,11 +190,20 @@ class InfoRoute:
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
-            "load_stages": state.stages.done,
+            "load_stages": [{**stage, "detail": without_directories(stage["detail"])} for stage in state.stages.done],
             "forward": state.compiler.forward if state.compiler is not None else None,
             "queue_size": state.engine.queue_size if state.engine else 0,
             "batch_size": state.engine.batch_size if state.engine else 0,
         }
+
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/()]+/)*([^\s/()]*)")
+
+
+def without_directories(text: str) -> str:
+    """``text`` with each absolute path cut to its last part: /info tells no one where the server keeps
+    its files (the log, which only the operator reads, has them whole)."""
+    return ABSOLUTE_PATH.sub(r"\1", text)
 
 
 def plugin_name(chosen: Any) -> str | None:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from tokenmill.http.schemas import RequestModel, ResponseModel
 from tokenmill.http.schemas.kinds import Integer, String
-from tokenmill.http.tgi.schemas import RequestModel, ResponseModel
 
 
 class LoadStage(ResponseModel):
