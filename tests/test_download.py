@@ -338,3 +338,17 @@ def test_only_what_loading_reads_is_chosen_and_safetensors_over_bin():
         "config.json", "pytorch_model.bin"]
     assert choose_files(["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]) == [
         "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_download_larger_than_its_limit_is_refused_before_any_file_is_fetched(stand_in, hub_client, monkeypatch):
+    """POST /adapters fetches at most MAX_ADAPTER_DOWNLOAD_BYTES: what the hub lists is checked first."""
+    from tokenmill.model import adapters, hub
+
+    with pytest.raises(hub.HubError, match="more than the limit of"):
+        hub.snapshot("org/tiny", None, str(hub_client), max_bytes=1024)
+    assert not any("/resolve/" in path for path in stand_in.paths("GET"))
+    stand_in.repos["org/big-lora"] = Repo({"adapter_config.json": b"{}", "adapter_model.safetensors": b"0" * 4096})
+    monkeypatch.setattr(adapters, "MAX_ADAPTER_DOWNLOAD_BYTES", 1024)
+    with pytest.raises(adapters.AdapterError, match="'org/big-lora'.* more than the limit of"):
+        adapters.locate("org/big-lora", str(hub_client))
+    assert not any("/resolve/" in path for path in stand_in.paths("GET"))

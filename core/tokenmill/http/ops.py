@@ -13,6 +13,8 @@ import falcon.asgi
 
 from tokenmill import __version__
 from tokenmill.http.body import ApiError, cross_site_refusal, read_json
+from tokenmill.http.schemas import ValidationError, check_body
+from tokenmill.http.schemas.ops import LoadAdapterRequest
 from tokenmill.http.state import ServerState, adapter_api_error
 from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.hub import is_repo_id
@@ -51,6 +53,7 @@ class AdaptersRoute:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
+        self.loading = asyncio.Lock()
 
     def cache(self) -> AdapterCache:
         self.state.ready_engine()
@@ -70,14 +73,17 @@ class AdaptersRoute:
         if not config.api_keys() and not config.allow_adapter_loading:
             raise ApiError(403, "loading adapters at run time needs --api-key (or, on a trusted network, "
                                 "--allow-adapter-loading)", "forbidden")
-        body = await read_json(req, config)
-        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(
-                body.get("path", body.get("id")), str):
-            raise ApiError(422, 'the body must be {"id": "<name>", "path": "<PEFT adapter directory>"}', "validation")
-        name = body["id"]
-        source = allowed_adapter_path(name, body["path"], config.lora_adapter_dir) if "path" in body else hub_only(name)
         try:
-            adapter = await self.state.workers.run(cache.register, name, source)
+            request = check_body(LoadAdapterRequest, await read_json(req, config))
+        except ValidationError as error:
+            raise ApiError(422, f'{error} (the body is {{"id": "<name>", "path": "<PEFT adapter directory>"}})',
+                           "validation") from None
+        name = request.id
+        source = allowed_adapter_path(name, request.path, config.lora_adapter_dir) if request.path is not None \
+            else hub_only(name)
+        try:  # one load at a time, on a thread of its own: a download never holds a validation worker
+            async with self.loading:
+                adapter = await asyncio.to_thread(cache.register, name, source)
         except (AdapterBusy, AdapterError) as error:
             raise adapter_api_error(error) from None
         resp.media = {"id": adapter.name, "rank": adapter.rank, "layers": len(adapter.layers),

@@ -106,16 +106,23 @@ def peft_unavailable_reason(config: dict[str, Any]) -> str | None:
     return None
 
 
+MAX_ADAPTER_DOWNLOAD_BYTES = 1 << 30
+"""The most an adapter fetched from the hub may hold (a LoRA adapter is megabytes; 1 GiB is rank 256 of
+a 70B model's attention)."""
+
+
 def locate(source: str, hub_cache: str | None = None) -> Path:
-    """A local adapter directory, or a hub id's snapshot: downloaded (adapter_config.json, the weights)
-    into ``hub_cache`` (None: the hub client's default), or only from the local cache with HF_HUB_OFFLINE=1."""
+    """A local adapter directory, or a hub id's snapshot: downloaded (adapter_config.json, the weights;
+    at most :data:`MAX_ADAPTER_DOWNLOAD_BYTES`) into ``hub_cache`` (None: the hub client's default), or
+    only from the local cache with HF_HUB_OFFLINE=1."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if not hub.is_repo_id(source):
         raise AdapterError(f"adapter {source!r} is not a local directory (no such path) and no hub id (org/name)")
     try:
-        return hub.snapshot(source, None, hub_cache, required="adapter_config.json")
+        return hub.snapshot(source, None, hub_cache, required="adapter_config.json",
+                            max_bytes=MAX_ADAPTER_DOWNLOAD_BYTES)
     except hub.HubError as error:
         raise AdapterError(f"adapter {source!r}: {error}") from None
 

@@ -167,14 +167,18 @@ def download(listing: Listing, report: Callable[[str], None] | None = None) -> P
 
 
 def snapshot(repo_id: str, revision: str | None, cache_dir: str | None = None,
-             required: str = "config.json") -> Path:
+             required: str = "config.json", max_bytes: int | None = None) -> Path:
     """A local snapshot of ``repo_id``: from the cache only when offline, else listed and downloaded
-    (or found in the cache when the hub cannot be reached)."""
+    (or found in the cache when the hub cannot be reached). ``max_bytes``: the most the files to
+    fetch may hold, as the hub lists them (a HubError, before any download, beyond)."""
     if offline():
         return cached(repo_id, revision, cache_dir)
     listing = list_or_none(repo_id, revision, cache_dir, required)
     if listing is None:
         return cached(repo_id, revision, cache_dir)
+    if max_bytes is not None and listing.total_bytes > max_bytes:
+        raise HubError(f"{repo_id!r}{at(revision)} holds {human_bytes(listing.total_bytes)} to download, more than "
+                       f"the limit of {human_bytes(max_bytes)}")
     log.info("downloading %s", listing.describe())
     return download(listing)
 
