@@ -244,6 +244,11 @@ class Config:
                 raise ConfigError(f"--api-key-file {self.api_key_file} holds no key")
         return tuple(dict.fromkeys(keys))
 
+    def cors_origins(self) -> tuple[str, ...]:
+        """``--cors-allow-origin`` read: the origins (without a trailing slash), or ``*``; empty: no CORS."""
+        return tuple(origin.strip().rstrip("/") for origin in (self.cors_allow_origin or "").split(",")
+                     if origin.strip())
+
     def priority_keys(self) -> tuple[str, ...] | None:
         """The keys whose requests may set their priority (``--priority-header-keys``); None: any."""
         return None if self.priority_header_keys is None else split_keys(self.priority_header_keys)

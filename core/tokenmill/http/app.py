@@ -123,8 +123,8 @@ def middleware(state: ServerState) -> list[Any]:
     """In order: CORS (answers preflights, and marks errors too), the API key, the request's id and record."""
     config = state.config
     chain: list[Any] = [Lifespan(state)]
-    if config.cors_allow_origin:
-        chain.append(cors_middleware(config.cors_allow_origin))
+    if config.cors_origins():
+        chain.append(cors_middleware(config.cors_origins()))
     keys = config.api_keys()
     if keys:  # before the request is counted: anyone without the key must not move the metrics
         chain.append(ApiKeyAuth(keys, config.priority_keys()))

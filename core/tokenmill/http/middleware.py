@@ -114,11 +114,10 @@ class Cors(falcon.CORSMiddleware):
             resp.append_header("Vary", "Origin")
 
 
-def cors_middleware(allow_origin: str) -> Cors:
-    """``--cors-allow-origin``: ``*`` or a comma-separated list of origins."""
-    origins = [o.strip() for o in allow_origin.split(",") if o.strip()]
+def cors_middleware(origins: tuple[str, ...]) -> Cors:
+    """``--cors-allow-origin``: ``*`` or the origins listed."""
     return Cors(
-        allow_origins="*" if "*" in origins else origins,
+        allow_origins="*" if "*" in origins else list(origins),
         expose_headers=["X-Request-Id", "X-Compute-Type", "X-Compute-Time", "X-Compute-Characters", "X-Total-Time",
                         "X-Validation-Time", "X-Queue-Time", "X-Inference-Time", "X-Time-Per-Token",
                         "X-Prompt-Tokens", "X-Generated-Tokens"])

@@ -67,7 +67,7 @@ class AdaptersRoute:
         resp.media = {"adapters": cache.names, **cache.usage()}
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        refuse_cross_site(req, self.state.config.cors_allow_origin)
+        refuse_cross_site(req, self.state.config.cors_origins())
         cache = self.cache()
         config = self.state.config
         if not config.api_keys() and not config.allow_adapter_loading:
@@ -90,12 +90,11 @@ class AdaptersRoute:
                       "path": str(adapter.path)}
 
 
-def refuse_cross_site(req: falcon.asgi.Request, cors_allow_origin: str | None) -> None:
+def refuse_cross_site(req: falcon.asgi.Request, cors_origins: tuple[str, ...]) -> None:
     """A 403 for a request that changes the server's state (an adapter, the prefix cache) from another
     site's web page (other than the origins ``--cors-allow-origin`` lists; its ``*`` trusts none here):
     without this, a page on the same network could do so with a "no-cors" POST."""
-    trusted = [origin.strip().rstrip("/") for origin in (cors_allow_origin or "").split(",") if origin.strip()]
-    why = cross_site_refusal(req, [origin for origin in trusted if origin != "*"])
+    why = cross_site_refusal(req, [origin for origin in cors_origins if origin != "*"])
     if why:
         raise ApiError(403, f"{req.method} {req.path} is refused: {why}", "forbidden")
 
@@ -132,7 +131,7 @@ class ResetPrefixCacheRoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        refuse_cross_site(req, self.state.config.cors_allow_origin)
+        refuse_cross_site(req, self.state.config.cors_origins())
         engine = self.state.ready_engine()
         loop = asyncio.get_running_loop()
         dropped: asyncio.Future[int] = loop.create_future()
