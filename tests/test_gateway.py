@@ -115,7 +115,14 @@ def test_the_envoy_bootstrap_has_a_cluster_route_and_timeout_per_model(capsys):
     assert json.loads(unknown["body"]["inline_string"])["error"].endswith("serves small, big")
     itself = next(route for route in routes if route["name"] == "gateway_itself")
     assert itself["match"]["path"] == "/" and itself["direct_response"]["status"] == 200
-    assert [m["status_code"] for m in manager["local_reply_config"]["mappers"]] == [429, 502, 504]
+    assert [m.get("status_code") for m in manager["local_reply_config"]["mappers"]] == [429, 502, 504, None]
+    too_large = manager["local_reply_config"]["mappers"][-1]
+    assert json.loads(too_large["body"]["inline_string"])["error_type"] == "validation"
+    buffer, router = manager["http_filters"]
+    assert buffer["typed_config"]["max_request_bytes"] == 2_000_000 and router["name"] == "envoy.filters.http.router"
+    assert manager["request_headers_timeout"] == manager["request_timeout"] == "30s"
+    small = next(route for route in routes if route["name"] == "model_small")
+    assert small["typed_per_filter_config"]["envoy.filters.http.buffer"]["buffer"] == {"max_request_bytes": 2_000_000}
 
 
 # ---- a real nginx in front of two real servers ----------------------------------------------------

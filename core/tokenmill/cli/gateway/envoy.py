@@ -4,7 +4,9 @@ One listener with an HTTP connection manager whose routes match the ``x-model`` 
 one cluster per model (least-request balancing over its instances, a circuit breaker at its
 connection limit), and direct JSON answers for the gateway itself and for a missing or unknown
 model. Envoy's own replies to a failed upstream (503 "no healthy upstream", 504 on a timeout) and
-to an open circuit breaker are rewritten into TGI's JSON error by ``local_reply_config``.
+to an open circuit breaker are rewritten into TGI's JSON error by ``local_reply_config``. Request
+bodies are buffered whole (at most each model's ``max-body``; its own 413 in TGI's JSON beyond), so a
+client that sends slowly never holds a server's concurrency place.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.cli.gateway.spec import (
+    BODY_TIMEOUT_S,
     Gateway,
     Model,
     missing_model_body,
     overloaded_body,
     status_body,
+    too_large_body,
     unavailable_body,
     unknown_model_body,
 )
@@ -28,6 +32,13 @@ ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 CONNECTION_MANAGER = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                       "HttpConnectionManager")
 HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+BUFFER_FILTER = "envoy.filters.http.buffer"
+BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
+
+
+def max_body(gateway: Gateway) -> int:
+    return max(model.max_body for model in gateway.models)
 
 
 def render(gateway: Gateway) -> str:
@@ -65,8 +76,15 @@ def listener(gateway: Gateway) -> dict[str, Any]:
             reply_mapper(503, 429, overloaded_body(), flags=["UO"]),  # the model's circuit breaker is open
             reply_mapper(503, 502, unavailable_body()),  # no healthy upstream, connection refused or reset
             reply_mapper(504, 504, unavailable_body()),  # the upstream timed out
+            body_too_large_mapper(),
         ]},
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}],
+        # Bodies are read whole here, within the servers' own deadline, before a model's server sees them
+        # (request_timeout ends when the request's last byte goes upstream: a response may stream on).
+        "request_headers_timeout": f"{BODY_TIMEOUT_S}s",
+        "request_timeout": f"{BODY_TIMEOUT_S}s",
+        "http_filters": [
+            {"name": BUFFER_FILTER, "typed_config": {"@type": BUFFER, "max_request_bytes": max_body(gateway)}},
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}],
     }
     return {
         "name": "tokenmill_gateway",
@@ -101,6 +119,8 @@ def model_route(model: Model) -> dict[str, Any]:
         "match": {"prefix": "/", "headers": [{"name": "x-model", "string_match": {"exact": model.name}}]},
         # timeout bounds the whole response, idle_timeout the gaps between its bytes (a stream's events).
         "route": {"cluster": model.upstream, "timeout": "0s", "idle_timeout": timeout},
+        "typed_per_filter_config": {BUFFER_FILTER: {
+            "@type": BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": model.max_body}}},
     }
 
 
@@ -118,6 +138,16 @@ def cluster(model: Model) -> dict[str, Any]:
         "load_assignment": {"cluster_name": model.upstream, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": socket_address(instance.host, instance.port)}}
             for instance in model.instances]}]},
+    }
+
+
+def body_too_large_mapper() -> dict[str, Any]:
+    """The buffer filter's own 413 (local replies only: a server's 413 passes as it is) in TGI's JSON."""
+    return {
+        "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {
+            "default_value": 413, "runtime_key": "tokenmill_gateway.local_reply_413"}}}},
+        "body": {"inline_string": too_large_body()},
+        "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
     }
 
 

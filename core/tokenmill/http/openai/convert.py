@@ -49,11 +49,11 @@ def to_generate(request: SamplingFields, max_tokens: int | None, **routing: Any)
     greedy. ``top_p`` 1 keeps every token, as no ``top_p`` does (TGI's spec allows only < 1)."""
     params: dict[str, Any] = {name: getattr(request, name) for name in PASSED_AS_THEY_ARE
                               if getattr(request, name) is not None}
-    if request.temperature != 0:
+    if request.temperature != 0:  # at 0 (greedy) no truncation is passed on: it would turn sampling back on
         params["do_sample"] = True
         if request.temperature not in (None, 1):
             params["temperature"] = request.temperature
-        if request.top_p is not None and request.top_p < 1:  # truncation would turn greedy choice into sampling
+        if request.top_p is not None and request.top_p < 1:
             params["top_p"] = request.top_p
         if request.top_k is not None:
             params["top_k"] = request.top_k

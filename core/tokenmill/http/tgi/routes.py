@@ -77,7 +77,6 @@ class GenerateRoute:
     async def prepare(self, req: falcon.asgi.Request) -> tuple[GenerationRequest, bool]:
         body = await read_json(req, self.state.config)
         shape = GenerateRequest if self.stream is not None else CompatGenerateRequest
-
         caller = caller_of(req)
 
         def checked(validator: Validator) -> tuple[GenerationRequest, bool]:  # on a validation worker
