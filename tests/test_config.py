@@ -138,9 +138,11 @@ def test_api_keys_come_comma_separated_and_from_a_key_file(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# tenants\n\n  third  \nfirst\n", encoding="utf-8")
     config = parse_config(["--api-key", "first, second", "--api-key-file", str(keys)], env={})
-    assert config.api_keys() == ("first", "second", "third")
+    assert config.api_keys == ("first", "second", "third")
+    keys.unlink()
+    assert config.api_keys == ("first", "second", "third"), "the key file is read once, not per request"
     assert config.priority_keys() is None
-    assert parse_config([], env={}).api_keys() == ()
+    assert parse_config([], env={}).api_keys == ()
     assert parse_config(["--api-key", "a,b", "--priority-header-keys", "b"], env={}).priority_keys() == ("b",)
 
 

@@ -7,6 +7,7 @@ after loading, into a new Config (:meth:`Config.with_limits`); nothing changes o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ class Config:
             raise ConfigError("LoRA adapters cannot shard yet: run them with --num-shard 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty: give a key, or leave the flag (and API_KEY) unset")
-        keys = self.api_keys()
+        keys = self.api_keys
         if self.priority_header_keys is not None and not set(split_keys(self.priority_header_keys)) <= set(keys):
             raise ConfigError("--priority-header-keys must list keys that --api-key or --api-key-file give")
         if self.enable_profiling and not keys:
@@ -230,9 +231,10 @@ class Config:
             return self.lora_cache_limit
         return max(8, len(self.named_adapters()))
 
+    @functools.cached_property
     def api_keys(self) -> tuple[str, ...]:
         """The keys the API accepts: ``--api-key``'s (comma-separated), then ``--api-key-file``'s (one a
-        line; blank lines and ``#`` comments skipped). Empty: no key is asked."""
+        line; blank lines and ``#`` comments skipped), read once. Empty: no key is asked."""
         keys = split_keys(self.api_key or "")
         if self.api_key_file is not None:
             try:

@@ -97,7 +97,7 @@ class Lifespan:
 
     async def process_startup(self, scope: Any, event: Any) -> None:
         config = self.state.config
-        if config.allow_adapter_loading and not config.api_keys():
+        if config.allow_adapter_loading and not config.api_keys:
             log.warning("--allow-adapter-loading without --api-key: anyone who reaches port %d can load LoRA "
                         "adapters from %s", config.port, ", ".join(config.lora_adapter_dir) or "(no directory yet)")
         if config.otlp_endpoint:
@@ -125,7 +125,7 @@ def middleware(state: ServerState) -> list[Any]:
     chain: list[Any] = [Lifespan(state)]
     if config.cors_origins():
         chain.append(cors_middleware(config.cors_origins()))
-    keys = config.api_keys()
+    keys = config.api_keys
     if keys:  # before the request is counted: anyone without the key must not move the metrics
         chain.append(ApiKeyAuth(keys, config.priority_keys()))
     chain.append(RequestContext(state.telemetry, lambda: state.draining))

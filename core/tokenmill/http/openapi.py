@@ -67,7 +67,7 @@ def build_document(app: falcon.App, config: Config) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path in served_operations(app):
         operation = OPERATIONS_BY_KEY.get((method, path))
-        entry = describe(operation, bool(config.api_keys())) if operation else {
+        entry = describe(operation, bool(config.api_keys)) if operation else {
             "summary": "Undocumented (added by a plugin)", "responses": {"default": {"description": "Its answer"}}}
         paths.setdefault(path, {})[method.lower()] = entry
     document: dict[str, Any] = {
@@ -80,7 +80,7 @@ def build_document(app: falcon.App, config: Config) -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": components(paths)},
     }
-    if config.api_keys():
+    if config.api_keys:
         document["components"]["securitySchemes"] = {"api_key": {"type": "http", "scheme": "bearer"}}
     return document
 

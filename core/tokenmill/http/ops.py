@@ -70,7 +70,7 @@ class AdaptersRoute:
         refuse_cross_site(req, self.state.config.cors_origins())
         cache = self.cache()
         config = self.state.config
-        if not config.api_keys() and not config.allow_adapter_loading:
+        if not config.api_keys and not config.allow_adapter_loading:
             raise ApiError(403, "loading adapters at run time needs --api-key (or, on a trusted network, "
                                 "--allow-adapter-loading)", "forbidden")
         try:
