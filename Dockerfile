@@ -105,8 +105,8 @@ ENTRYPOINT ["/opt/tokenmill/image/entrypoint.sh"]
 
 # ---------------------------------------------------------------------------------------------
 # cpu (default, last stage): CPU torch on python:3.11-slim, plus a C++ compiler and ninja, with
-# which tokenmill builds its native CPU decode kernel (once below; again at start only on a CPU
-# with other vector instructions than the build machine's).
+# which tokenmill builds its native CPU kernels, decode and bfloat16 prefill (once below; again at
+# start only on a CPU with other vector instructions than the build machine's).
 FROM python:3.11-slim AS cpu
 
 ARG TORCH_VERSION
@@ -150,9 +150,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 # tokenmill, numeric as in the cuda stage.
 USER 1000:1000
-# Build the native kernel now, as the user that runs the server, so that its build cache is
-# writable at start; prints the reason if it could not be built (the server then uses plain PyTorch).
-RUN python -c "from tokenmill.kernels import native as n; r = n.native_unavailable_reason(); print(r or 'native CPU kernels built')"
+# Build the native kernels now, as the user that runs the server, so that their build cache is
+# writable at start; prints the reason if one could not be built (the server then uses plain PyTorch).
+RUN python -c "from tokenmill.kernels import native as n; r = n.native_unavailable_reason(); print(r or 'native CPU decode kernel built')" \
+ && python -c "from tokenmill.kernels import native as n; r = n.prefill_unavailable_reason(); print(r or 'native CPU bf16 prefill kernel built')"
 
 WORKDIR /data
 VOLUME /data

@@ -109,3 +109,101 @@ def test_disable_custom_kernels_turns_them_off_with_the_flag_named(monkeypatch):
     monkeypatch.setattr(native_kernels, "_turned_off", None)
     native_kernels.turn_off("--disable-custom-kernels")
     assert native_kernels.native_unavailable_reason() == "turned off by --disable-custom-kernels"
+
+
+def prefill_reference(query, keys, values, tables, starts, chunks, context_lens, window, scale):
+    """Each chunk's queries (its context's last positions) against its whole context, SDPA in float32."""
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    block_size = keys.shape[1]
+    for row, (start, chunk, length) in enumerate(zip(starts, chunks, context_lens)):
+        blocks = tables[row, : -(-length // block_size)].long()
+        k = keys[blocks].flatten(0, 1)[:length].float().transpose(0, 1)
+        v = values[blocks].flatten(0, 1)[:length].float().transpose(0, 1)
+        at = torch.arange(length - chunk, length)[:, None]
+        visible = torch.arange(length)[None, :] <= at
+        if window:
+            visible &= torch.arange(length)[None, :] > at - window
+        q = query[start:start + chunk].float().transpose(0, 1)
+        out[start:start + chunk] = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                                                  enable_gqa=True).transpose(0, 1)
+    return out
+
+
+prefill_available = pytest.mark.skipif(native_kernels.prefill_unavailable_reason() is not None,
+                                       reason=f"no bf16 prefill kernel: {native_kernels.prefill_unavailable_reason()}")
+
+
+@prefill_available
+@pytest.mark.parametrize("dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (32, 2)], ids=["gqa-3", "mha", "gqa-16"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_bf16_prefill_over_scattered_blocks_matches_sdpa_in_float32(dim, heads, kv_heads, window):
+    """Chunks with and without a cached prefix before them (context > chunk), of lengths that fill no tile
+    evenly, each reading its own scattered blocks; a token of the step that no chunk covers stays as it was."""
+    chunks, context_lens = [9, 70, 33, 1], [9, 100, 130, 40]
+    keys, values, tables = scattered_pool(context_lens, block_size=16, kv_heads=kv_heads, dim=dim,
+                                          dtype=torch.bfloat16)
+    starts = [1]
+    for chunk in chunks[:-1]:
+        starts.append(starts[-1] + chunk)
+    query = torch.randn(starts[-1] + chunks[-1] + 1, heads, dim).to(torch.bfloat16)
+    out = torch.full_like(query, 7.0)
+    native_kernels.paged_prefill(query, keys, values, tables, torch.tensor(starts), torch.tensor(chunks),
+                                 torch.tensor(context_lens), window, dim ** -0.5, out)
+    expected = prefill_reference(query, keys, values, tables, starts, chunks, context_lens, window, dim ** -0.5)
+    torch.testing.assert_close(out[1:-1].float(), expected[1:-1], atol=2e-2, rtol=2e-2)
+    assert (out[0] == 7).all() and (out[-1] == 7).all()
+
+
+@prefill_available
+def test_bf16_prefill_takes_query_and_out_as_strided_views():
+    """The paged backend's queries are a transposed view of the model's ``[1, heads, tokens, dim]``."""
+    keys, values, tables = scattered_pool([50], block_size=16, kv_heads=2, dim=64, dtype=torch.bfloat16)
+    query = torch.randn(1, 6, 50, 64).to(torch.bfloat16)[0].transpose(0, 1)
+    out = torch.empty(6, 50, 64, dtype=torch.bfloat16).transpose(0, 1)
+    native_kernels.paged_prefill(query, keys, values, tables, torch.tensor([0]), torch.tensor([50]),
+                                 torch.tensor([50]), None, 0.125, out)
+    expected = prefill_reference(query, keys, values, tables, [0], [50], [50], None, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@prefill_available
+def test_bf16_prefill_refuses_what_it_cannot_read():
+    keys, values, tables = scattered_pool([8], block_size=4, kv_heads=1, dim=16, dtype=torch.bfloat16)
+    query = torch.randn(8, 1, 16).to(torch.bfloat16)
+    arguments = (torch.tensor([0]), torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        native_kernels.paged_prefill(query, keys, values, tables, *arguments, torch.tensor([9]), None, 1.0,
+                                     torch.empty_like(query))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native_kernels.paged_prefill(query.float(), keys, values, tables, *arguments, torch.tensor([8]), None, 1.0,
+                                     torch.empty_like(query.float()))
+
+
+@prefill_available
+@pytest.mark.parametrize("window", [None, 12])
+def test_a_bf16_step_of_prompt_chunks_and_decode_rows_attends_as_the_gather_path_does(window):
+    """The SDPA plugin sends a step's bfloat16 prompt chunks (a whole prompt, a chunk after a cached prefix)
+    to the prefill kernel in one call and its decode rows to the decode kernel, and gets what gathering
+    the blocks for SDPA gets."""
+    from tokenmill.interfaces import PagedStep
+    from tokenmill_plugins.attention.torch_kernels import SdpaAttention
+
+    class Pool:
+        block_size = 16
+
+    context_lens, query_lens = [40, 1, 90, 31], [40, 1, 25, 3]
+    keys, values, tables = scattered_pool(context_lens, Pool.block_size, kv_heads=3, dim=64, dtype=torch.bfloat16)
+    query = torch.randn(1, 9, sum(query_lens), 64).to(torch.bfloat16)[0].transpose(0, 1)  # the backend's view
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    outputs = []
+    for native_prefill in (True, False):
+        step = PagedStep(pool=Pool(), kernel=None, slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
+                         query_starts=starts, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+                         max_context_len=max(context_lens))
+        kernel = SdpaAttention()
+        kernel._native_prefill = native_prefill
+        outputs.append(kernel.paged_attention(query, keys, values, step, 0.125, window).float())
+        plans = step.scratch[f"sdpa:{window}"]
+        assert sum(bool(plan.get("prefill")) for plan in plans) == (1 if native_prefill else 0)
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)

@@ -1,4 +1,6 @@
-"""tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder.
+"""tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder:
+``paged_decode`` (decode rows, any dtype) and ``paged_prefill`` (bfloat16 prompt chunks, where the CPU
+has AVX512-BF16). Each is its own extension, built when first asked for.
 
 The source ships in the package (``csrc/``); the build lands in tokenmill's cache
 (``TOKENMILL_CACHE_DIR``: ``kernels/torch-VERSION/NAME``, a volume in a container; or in
@@ -29,7 +31,7 @@ from tokenmill.model.loading import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+SOURCES = Path(__file__).resolve().parent / "csrc"
 _turned_off: str | None = None
 
 
@@ -39,12 +41,12 @@ def turn_off(reason: str) -> None:
     _turned_off = reason
 
 
-def _compiler_flags(bf16: bool = True) -> tuple[str, list[str]]:
+def _compiler_flags(bf16: bool = True, kernel: str = "paged_decode") -> tuple[str, list[str]]:
     """The build's name and flags: vector instructions only where this CPU has them (a
     different CPU gets its own build, never one it cannot run). ``bf16``: AVX512-BF16 too, where
     the CPU has it."""
     capability = torch.backends.cpu.get_cpu_capability()
-    name = f"tokenmill_paged_decode_{capability.lower()}"
+    name = f"tokenmill_{kernel}_{capability.lower()}"
     flags = ["-O3", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
@@ -62,7 +64,7 @@ def _has_avx512_bf16() -> bool:
 
 
 @functools.cache
-def _load() -> tuple[Any, str | None]:
+def _load(kernel: str = "paged_decode") -> tuple[Any, str | None]:
     if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "turned off by TOKENMILL_NATIVE_KERNELS"
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
@@ -72,16 +74,18 @@ def _load() -> tuple[Any, str | None]:
         from torch.utils.cpp_extension import load
 
         def build(bf16: bool) -> Any:
-            name, flags = _compiler_flags(bf16)
+            name, flags = _compiler_flags(bf16, kernel)
             directory = build_directory(name)
             with build_lock(directory):
-                return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-                            build_directory=str(directory))
+                return load(name, [str(SOURCES / f"{kernel}.cpp")], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                            verbose=False, build_directory=str(directory))
 
+        if kernel == "paged_prefill" and not _compiler_flags(bf16=True, kernel=kernel)[0].endswith("_bf16"):
+            return None, "this CPU has no AVX512-BF16"
         try:
             return build(bf16=True), None
         except Exception:
-            if _compiler_flags(bf16=True) == _compiler_flags(bf16=False):
+            if kernel == "paged_prefill" or _compiler_flags(bf16=True) == _compiler_flags(bf16=False):
                 raise
             # A compiler without AVX512-BF16 (GCC before 10) still builds every other path.
             log.warning("building the native kernels with AVX512-BF16 failed; building them without it")
@@ -122,6 +126,37 @@ def native_unavailable_reason() -> str | None:
     if reason:
         log.warning("tokenmill's native CPU kernels are unavailable (%s); attention uses plain PyTorch", reason)
     return reason
+
+
+@functools.cache
+def prefill_unavailable_reason() -> str | None:
+    """None when the bfloat16 prefill kernel is built and loaded (building it now if needed); else why not,
+    logged once: bfloat16 prompt chunks then go through SDPA."""
+    if _turned_off:
+        return f"turned off by {_turned_off}"
+    module, reason = _load("paged_prefill")
+    if module is not None and not module.bf16_prefill_built():
+        reason = "the compiler built it without AVX512-BF16"
+    if reason:
+        log.warning("tokenmill's bfloat16 prefill kernel is unavailable (%s); prompt chunks in bfloat16 use SDPA",
+                    reason)
+    return reason
+
+
+def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                  sliding_window: int | None, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of bfloat16 prompt chunks over their sequences' blocks, written into ``out``.
+
+    ``query`` and ``out`` ``[tokens, heads, dim]``; caches ``[blocks, block_size, kv_heads, dim]``; per chunk
+    (one a row of ``block_tables``), where its queries start in ``query``, how many there are, and its context
+    length after them (the queries are its last positions). Head sizes: multiples of 16 up to 256. Rows of
+    ``out`` no chunk covers are left as they were. Call only when :func:`prefill_unavailable_reason` is None."""
+    module, reason = _load("paged_prefill")
+    if module is None:
+        raise RuntimeError(f"the native prefill kernel is unavailable: {reason}")
+    module.paged_prefill(query, key_cache, value_cache, block_tables, query_starts, query_lens, context_lens,
+                         sliding_window or 0, scale, out)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,6 +1,7 @@
 """Attention in PyTorch: SDPA and eager for the padded layout; for the paged one, SDPA over
 gathered blocks, with decode rows on CPU read straight from the pool by tokenmill's native
-kernel where it builds."""
+kernel where it builds, and bfloat16 prompt chunks on CPU by its flash-attention kernel where the
+CPU has AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -116,14 +117,28 @@ def _native_decode_plan(step: PagedStep, rows: list[int]) -> dict[str, Any]:
             "context_lens": torch.tensor(contexts, device=device)}
 
 
-def _step_plan(step: PagedStep, sliding_window: int | None, native: bool) -> list[dict[str, Any]]:
+def _native_prefill_plan(step: PagedStep, rows: list[int]) -> dict[str, Any]:
+    """All prompt chunks in one call of the native prefill kernel, which reads each sequence's own blocks."""
+    device = step.slot_mapping.device
+    return {"prefill": True, "block_tables": step.block_tables.index_select(0, torch.tensor(rows, device=device)),
+            "query_starts": torch.tensor([step.query_starts[r] for r in rows]),
+            "query_lens": torch.tensor([step.query_lens[r] for r in rows]),
+            "context_lens": torch.tensor([step.context_lens[r] for r in rows])}
+
+
+def _step_plan(step: PagedStep, sliding_window: int | None, native: bool, native_prefill: bool
+               ) -> list[dict[str, Any]]:
     """Decode rows (short ones: :data:`SHORT_QUERY`) in groups of similar context length (or all in one
-    native call); each prefill chunk in its own group, so that no sequence is padded to another's prompt length."""
+    native call); each prefill chunk in its own group, so that no sequence is padded to another's prompt length
+    (or all in one call of the native prefill kernel)."""
     block_size = step.pool.block_size
     decoding = {r: blocks_for(step.context_lens[r], block_size)
                 for r, n in enumerate(step.query_lens) if n <= SHORT_QUERY}
     prefilling = [r for r, n in enumerate(step.query_lens) if n > SHORT_QUERY]
-    plans = [_group_plan(step, [r], sliding_window) for r in prefilling]
+    if native_prefill and prefilling:
+        plans = [_native_prefill_plan(step, prefilling)]
+    else:
+        plans = [_group_plan(step, [r], sliding_window) for r in prefilling]
     if native and decoding:
         return [_native_decode_plan(step, sorted(decoding))] + plans
     return [_group_plan(step, rows, sliding_window) for rows in decode_groups(decoding)] + plans
@@ -134,12 +149,16 @@ class SdpaAttention(AttentionKernel):
     layouts = ("padded", "paged")
     transformers_name = "sdpa"
     description = ("torch scaled_dot_product_attention; paged: gathers each sequence's blocks (CPU and GPU), "
-                   "decode rows on CPU by tokenmill's native kernel when it builds")
+                   "decode rows on CPU by tokenmill's native kernel when it builds, bfloat16 prompt chunks on CPU "
+                   "by its flash-attention kernel where the CPU has AVX512-BF16")
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._native: bool | None = None
         """Whether decode rows on CPU go to the native kernel: decided (and built) at the first paged step."""
+        self._native_prefill: bool | None = None
+        """Whether bfloat16 prompt chunks on CPU go to the native prefill kernel: decided (and built) at the
+        first bfloat16 paged step."""
 
     def _use_native(self, device: torch.device) -> bool:
         if device.type != "cpu":
@@ -148,18 +167,34 @@ class SdpaAttention(AttentionKernel):
             self._native = native_kernels.native_unavailable_reason() is None
         return self._native
 
+    def _use_native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        heads, head_dim = query.shape[1], query.shape[2]
+        if query.device.type != "cpu" or query.dtype != torch.bfloat16 or key_cache.dtype != torch.bfloat16:
+            return False
+        if head_dim % 16 or head_dim > 256 or heads // key_cache.shape[2] > 64:
+            return False
+        if self._native_prefill is None:
+            self._native_prefill = native_kernels.prefill_unavailable_reason() is None
+        return self._native_prefill
+
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         step: PagedStep, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
         key = f"sdpa:{sliding_window}"
         plans = step.scratch.get(key)
         if plans is None:
-            plans = step.scratch[key] = _step_plan(step, sliding_window, self._use_native(query.device))
+            plans = step.scratch[key] = _step_plan(step, sliding_window, self._use_native(query.device),
+                                                   self._use_native_prefill(query, key_cache))
         decode_only = max(step.query_lens) == 1
         if len(plans) == 1 and decode_only:  # one decode group: tokens already in order
             return self._run(query, key_cache, value_cache, plans[0], scaling, sliding_window, decode=True)
         out = torch.empty_like(query)
         for plan in plans:
-            out.index_copy_(0, plan["tokens"], self._run(query, key_cache, value_cache, plan, scaling, sliding_window))
+            if plan.get("prefill"):
+                native_kernels.paged_prefill(query, key_cache, value_cache, plan["block_tables"], plan["query_starts"],
+                                             plan["query_lens"], plan["context_lens"], sliding_window, scaling, out)
+            else:
+                out.index_copy_(0, plan["tokens"],
+                                self._run(query, key_cache, value_cache, plan, scaling, sliding_window))
         return out
 
     def _run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: dict[str, Any],
