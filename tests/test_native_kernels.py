@@ -47,9 +47,9 @@ def sdpa_reference(query, keys, values, tables, context_lens, window, scale):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dim", [64, 16, 8, 12], ids=["bf16-pair-dim", "sixteen-lane-dim", "eight-lane-dim",
                                                      "other-dim"])
-def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window, dim):
+@pytest.mark.parametrize("context_lens", [[1, 4, 5, 37, 200, 16], [37]], ids=["batch", "one-sequence"])
+def test_decode_attention_over_scattered_blocks_matches_sdpa(dtype, tolerance, window, dim, context_lens):
     """Each dim takes the widest path the build has for it (see paged_decode.cpp's ``path_for``)."""
-    context_lens = [1, 4, 5, 37, 200, 16]
     keys, values, tables = scattered_pool(context_lens, block_size=4, kv_heads=2, dim=dim, dtype=dtype)
     query = torch.randn(len(context_lens), 6, dim).to(dtype)
     got = native_kernels.paged_decode(query, keys, values, tables, torch.tensor(context_lens), window, 0.25)
@@ -207,3 +207,27 @@ def test_a_bf16_step_of_prompt_chunks_and_decode_rows_attends_as_the_gather_path
         plans = step.scratch[f"sdpa:{window}"]
         assert sum(bool(plan.get("prefill")) for plan in plans) == (1 if native_prefill else 0)
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_into_its_slot_as_index_copy_does(dtype):
+    """Keys and values arrive as the model makes them, ``[1, kv_heads, tokens, dim]`` (here a transposed view)."""
+    keys, values, _ = scattered_pool([20], block_size=4, kv_heads=2, dim=16, dtype=dtype)
+    key = torch.randn(1, 5, 2, 16).to(dtype).transpose(1, 2)
+    value = torch.randn(1, 2, 5, 16).to(dtype)
+    slots = torch.tensor([7, 0, 13, 21, 2])
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys.view(-1, 2, 16).index_copy_(0, slots, key[0].transpose(0, 1))
+    expected_values.view(-1, 2, 16).index_copy_(0, slots, value[0].transpose(0, 1))
+    native_kernels.store_kv(key, value, keys, values, slots)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+
+
+def test_store_kv_refuses_a_slot_outside_the_caches_and_another_dtype():
+    keys, values, _ = scattered_pool([8], block_size=4, kv_heads=1, dim=8, dtype=torch.float32)
+    key = torch.randn(1, 1, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the caches"):
+        native_kernels.store_kv(key, key, keys, values, torch.tensor([0, keys.shape[0] * 4]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native_kernels.store_kv(key.to(torch.bfloat16), key.to(torch.bfloat16), keys, values, torch.tensor([0, 1]))
+    assert not values.view(-1, 8)[:2].eq(key[0, 0]).all(), "nothing was written"

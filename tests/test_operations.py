@@ -219,6 +219,16 @@ def test_gunicorn_waits_longer_than_the_drain_and_runs_one_draining_worker():
     assert options["graceful_timeout"] > 45 + after_the_grace_period
 
 
+def test_both_servers_keep_an_idle_connection_longer_than_clients_pools_do():
+    """Else a client that reuses a pooled connection just as the server closes it gets no answer."""
+    from tokenmill.config import parse_config
+    from tokenmill.http.serve import gunicorn_options, uvicorn_config
+
+    config = parse_config([])
+    assert uvicorn_config(object(), config).timeout_keep_alive == gunicorn_options(config)["keepalive"] == 75
+    assert httpx.Limits().keepalive_expiry < 75
+
+
 def test_bad_settings_in_the_environment_stop_the_entrypoint_with_one_line(tmp_path):
     result = subprocess.run([str(REPO / "image" / "entrypoint.sh")], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "MAX_TOTAL_TOKENS": "-5", "PORT": str(free_port())})

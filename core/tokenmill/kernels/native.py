@@ -1,5 +1,6 @@
 """tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder:
-``paged_decode`` (decode rows, any dtype) and ``paged_prefill`` (bfloat16 prompt chunks, where the CPU
+``paged_decode`` (decode rows, any dtype; and ``store_kv``, a step's keys and values into the pool) and
+``paged_prefill`` (bfloat16 prompt chunks, where the CPU
 has AVX512-BF16). Each is its own extension, built when first asked for.
 
 The source ships in the package (``csrc/``); the build lands in tokenmill's cache
@@ -124,11 +125,20 @@ def native_unavailable_reason() -> str | None:
         return f"turned off by {_turned_off}"
     module, reason = _load()
     if reason:
-        log.warning("tokenmill's native CPU kernels are unavailable (%s); attention uses plain PyTorch", reason)
+        _warn_once("tokenmill's native CPU kernels are unavailable (%s); attention uses plain PyTorch", reason)
     return reason
 
 
-@functools.cache
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, reason: str) -> None:
+    """Log why a kernel is unavailable the first time it is asked for, not at every step that asks."""
+    if message % reason not in _warned:
+        _warned.add(message % reason)
+        log.warning(message, reason)
+
+
 def prefill_unavailable_reason() -> str | None:
     """None when the bfloat16 prefill kernel is built and loaded (building it now if needed); else why not,
     logged once: bfloat16 prompt chunks then go through SDPA."""
@@ -138,8 +148,8 @@ def prefill_unavailable_reason() -> str | None:
     if module is not None and not module.bf16_prefill_built():
         reason = "the compiler built it without AVX512-BF16"
     if reason:
-        log.warning("tokenmill's bfloat16 prefill kernel is unavailable (%s); prompt chunks in bfloat16 use SDPA",
-                    reason)
+        _warn_once("tokenmill's bfloat16 prefill kernel is unavailable (%s); prompt chunks in bfloat16 use SDPA",
+                   reason)
     return reason
 
 
@@ -157,6 +167,17 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         raise RuntimeError(f"the native prefill kernel is unavailable: {reason}")
     module.paged_prefill(query, key_cache, value_cache, block_tables, query_starts, query_lens, context_lens,
                          sliding_window or 0, scale, out)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write a step's keys and values (``[1, kv_heads, tokens, dim]``, as the model makes them) into their
+    ``slots`` (int64, block × block_size + offset) of caches of the same dtype, in one call.
+    Call only when :func:`native_unavailable_reason` is None."""
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    module.store_kv(key, value, key_cache, value_cache, slots)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -309,8 +311,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   auto q = query.contiguous();
   auto tables = block_tables.to(torch::kInt32).contiguous();
   auto lengths = context_lens.to(torch::kInt64).contiguous();
-  TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() > 0, "every sequence needs context");
-  TORCH_CHECK(lengths.numel() == 0 || lengths.max().item<int64_t>() <= tables.size(1) * block_size,
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(length, length + seqs, [](int64_t n) { return n > 0; }), "every sequence needs context");
+  TORCH_CHECK(std::all_of(length, length + seqs, [&](int64_t n) { return n <= tables.size(1) * block_size; }),
               "a context is longer than its block table");
   const int32_t* entries = tables.data_ptr<int32_t>();
   TORCH_CHECK(std::all_of(entries, entries + tables.numel(), [&](int32_t b) { return b >= 0 && b < key_cache.size(0); }),
@@ -325,6 +328,39 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   return out;
 }
 
+// The step's new keys and values into their slots of the pool: key / value [1, kv_heads, tokens, dim]
+// as the model makes them (any strides), caches [blocks, block_size, kv_heads, dim] of the same dtype,
+// slots [tokens] (block * block_size + offset). What two index_copy_ calls on transposed views do, in
+// one call: at batch 1 a layer's dispatch, not its copying, is what costs.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && value.sizes() == key.sizes(), "key and value [1, kv_heads, tokens, dim]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes(),
+              "the KV caches must be contiguous and of one shape");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "keys, values and caches must share one dtype");
+  const int64_t kv_heads = key.size(1), tokens = key.size(2), dim = key.size(3);
+  TORCH_CHECK(key_cache.size(2) == kv_heads && key_cache.size(3) == dim, "head shapes do not match");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == tokens && slots.is_contiguous(),
+              "one int64 slot per token");
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(slot, slot + tokens, [&](int64_t at) { return at >= 0 && at < capacity; }),
+              "a slot lies outside the caches");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "key and value rows must be contiguous");
+  const int64_t element = key.element_size(), row_bytes = dim * element;
+  for (const auto& [source, cache] : {std::pair{key, key_cache}, std::pair{value, value_cache}}) {
+    const auto* from = static_cast<const char*>(source.data_ptr());
+    auto* to = static_cast<char*>(cache.data_ptr());
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(to + ((slot[t] * kv_heads + h) * dim) * element,
+                    from + (h * source.stride(1) + t * source.stride(2)) * element, row_bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention of one query token per sequence (CPU)");
+  m.def("store_kv", &store_kv, "a step's new keys and values into their slots of the pool (CPU)");
 }

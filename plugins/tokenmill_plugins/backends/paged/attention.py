@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tokenmill.interfaces import PagedStep
+from tokenmill.kernels import native as native_kernels
 
 ATTENTION_NAME = "tokenmill_paged"
 
@@ -57,12 +58,31 @@ def _attend(paged_step: PagedStep, layer_idx: int, query: torch.Tensor, key: tor
             scale: float, sliding_window: int | None) -> torch.Tensor:
     """Write this step's keys and values into the sequences' blocks, then attend over them."""
     key_cache, value_cache = paged_step.pool.layer(layer_idx)
+    if _stores_natively(paged_step, key, key_cache):
+        native_kernels.store_kv(key, value, key_cache, value_cache, paged_step.slot_mapping)
+    else:
+        _store(paged_step, key, value, key_cache, value_cache)
+    out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
+                                            sliding_window)
+    return out.unsqueeze(0).to(query.dtype)
+
+
+def _stores_natively(paged_step: PagedStep, key: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether this step's keys and values go into the pool through the native ``store_kv`` (one call a layer
+    instead of two copies over transposed views): on CPU, into a pool of the model's dtype. Decided once a step."""
+    decided = paged_step.scratch.get("native_store")
+    if decided is None:
+        decided = paged_step.scratch["native_store"] = (
+            key_cache.device.type == "cpu" and key.dtype == key_cache.dtype and paged_step.slot_mapping.dtype
+            == torch.long and native_kernels.native_unavailable_reason() is None)
+    return decided
+
+
+def _store(paged_step: PagedStep, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor) -> None:
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if key_cache.dtype == torch.float8_e4m3fn:  # casting saturates nothing: |x| >= 480 would become NaN
         key, value = key.clamp(-448, 448), value.clamp(-448, 448)
     key_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, kv_heads, head_dim).index_copy_(0, paged_step.slot_mapping, value.to(value_cache.dtype))
-    out = paged_step.kernel.paged_attention(query[0].transpose(0, 1), key_cache, value_cache, paged_step, scale,
-                                            sliding_window)
-    return out.unsqueeze(0).to(query.dtype)
