@@ -325,6 +325,34 @@ def test_the_decode_attention_benchmark_runs_its_peers_on_the_same_blocks_and_th
     assert decode_attention.median_ms(runs["sdpa"], repeats=2) > 0
 
 
+def test_the_prefill_attention_benchmark_steps_are_prompt_chunks_over_their_own_blocks() -> None:
+    from bench import prefill_attention
+
+    step, query = prefill_attention.prefill_step([(20, 20), (10, 50)], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    assert step.query_starts == [0, 20] and step.query_lens == [20, 10] and step.context_lens == [20, 50]
+    assert query.shape == (30, 4, 16)
+    tables = step.block_tables[:, :5].flatten().tolist()
+    assert len(set(tables)) == len(tables) and 0 not in tables, "distinct blocks, none the pool's zero block"
+    out = prefill_attention.attention_of(step, query)()
+    assert out.shape == query.shape and not out.isnan().any()
+    assert prefill_attention.causal_gflop([(2, 2)], heads=1, head_dim=1) == 4 * 3 / 1e9
+
+
+def test_the_attention_call_benchmark_times_the_backends_call(capsys) -> None:
+    import sys
+
+    from bench import attention_call
+
+    argv = sys.argv
+    sys.argv = ["attention_call", "--batch", "1", "2", "--calls", "3", "--dtype", "float32"]
+    try:
+        attention_call.main()
+    finally:
+        sys.argv = argv
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("batch   1:") and lines[2].startswith("batch   2:") and lines[2].endswith("µs a layer")
+
+
 @pytest.mark.slow
 def test_the_multiturn_load_resends_each_history_and_reads_the_servers_cache_counters(tiny_model_dir: Path,
                                                                                       tmp_path: Path) -> None:

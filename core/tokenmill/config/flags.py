@@ -148,8 +148,9 @@ _HELP = {
                   "prompt and output, and verify them in the same forward (TGI's n-gram speculation; 0: off). "
                   "Greedy and seeded outputs are those without it (bit for bit in float32; in bfloat16 a forward "
                   "of several tokens rounds as a bigger batch does)"),
-    "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (decode attention on CPU gathers blocks for "
-                               "SDPA instead; TOKENMILL_NATIVE_KERNELS=0 does the same)"),
+    "disable_custom_kernels": ("use none of tokenmill's own C++ kernels (attention on CPU, decode and bfloat16 "
+                               "prefill alike, gathers blocks for SDPA instead; TOKENMILL_NATIVE_KERNELS=0 does the "
+                               "same)"),
     "cuda_memory_fraction": "GPU: share of the GPU's memory tokenmill may use; the KV pool takes what the model leaves",
     "server": "gunicorn (production, one uvicorn worker) or uvicorn (development)",
 }
