@@ -1,7 +1,7 @@
 """tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder:
 ``paged_decode`` (decode rows, any dtype; and ``store_kv``, a step's keys and values into the pool) and
-``paged_prefill`` (bfloat16 prompt chunks, where the CPU
-has AVX512-BF16). Each is its own extension, built when first asked for.
+``paged_prefill`` (bfloat16 prompt chunks, where the CPU has AVX512-BF16). Each source is its own
+extension, built when first asked for.
 
 The source ships in the package (``csrc/``); the build lands in tokenmill's cache
 (``TOKENMILL_CACHE_DIR``: ``kernels/torch-VERSION/NAME``, a volume in a container; or in
