@@ -35,13 +35,18 @@ def layer_calls(batch: int, context: int, dtype: torch.dtype, calls: int) -> Cal
     return run
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.attention_call``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    result.add_argument("--context", type=int, default=160)
+    result.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    result.add_argument("--calls", type=int, default=2000)
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, default=160)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser().parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"one layer's paged attention call, {args.dtype}, context {args.context}, {torch.get_num_threads()} threads")
     for batch in args.batch:

@@ -71,13 +71,18 @@ def causal_gflop(chunks: list[tuple[int, int]], heads: int, head_dim: int) -> fl
     return 4 * heads * head_dim * pairs / 1e9
 
 
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench.prefill_attention``'s command line."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("--heads", type=int, default=9)
+    result.add_argument("--kv-heads", type=int, default=3)
+    result.add_argument("--head-dim", type=int, nargs="+", default=[64])
+    result.add_argument("--repeats", type=int, default=5)
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser().parse_args()
     reason = native_kernels.prefill_unavailable_reason()
     if reason:
         raise SystemExit(f"the native prefill kernel is unavailable here: {reason}")
