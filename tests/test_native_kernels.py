@@ -129,6 +129,24 @@ def prefill_reference(query, keys, values, tables, starts, chunks, context_lens,
     return out
 
 
+def sdpa_over_step(query, keys, values, tables, context_lens, query_lens, scale, window=None, **switches):
+    """The SDPA plugin's paged attention over a step of these sequences (their tokens packed in order), with
+    its ``_native`` / ``_native_prefill`` switches set as given; returns the output and the step's plans."""
+    from types import SimpleNamespace
+
+    from tokenmill.interfaces import PagedStep
+    from tokenmill_plugins.attention.torch_kernels import SdpaAttention
+
+    step = PagedStep(pool=SimpleNamespace(block_size=keys.shape[1]), kernel=None,
+                     slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
+                     query_starts=[sum(query_lens[:i]) for i in range(len(query_lens))], query_lens=query_lens,
+                     context_lens=context_lens, block_tables=tables, max_context_len=max(context_lens))
+    kernel = SdpaAttention()
+    for name, value in switches.items():
+        setattr(kernel, f"_{name}", value)
+    return kernel.paged_attention(query, keys, values, step, scale, window), step.scratch[f"sdpa:{window}"]
+
+
 prefill_available = pytest.mark.skipif(native_kernels.prefill_unavailable_reason() is not None,
                                        reason=f"no bf16 prefill kernel: {native_kernels.prefill_unavailable_reason()}")
 
@@ -186,25 +204,14 @@ def test_a_bf16_step_of_prompt_chunks_and_decode_rows_attends_as_the_gather_path
     """The SDPA plugin sends a step's bfloat16 prompt chunks (a whole prompt, a chunk after a cached prefix)
     to the prefill kernel in one call and its decode rows to the decode kernel, and gets what gathering
     the blocks for SDPA gets."""
-    from tokenmill.interfaces import PagedStep
-    from tokenmill_plugins.attention.torch_kernels import SdpaAttention
-
-    class Pool:
-        block_size = 16
-
     context_lens, query_lens = [40, 1, 90, 31], [40, 1, 25, 3]
-    keys, values, tables = scattered_pool(context_lens, Pool.block_size, kv_heads=3, dim=64, dtype=torch.bfloat16)
+    keys, values, tables = scattered_pool(context_lens, 16, kv_heads=3, dim=64, dtype=torch.bfloat16)
     query = torch.randn(1, 9, sum(query_lens), 64).to(torch.bfloat16)[0].transpose(0, 1)  # the backend's view
-    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
     outputs = []
     for native_prefill in (True, False):
-        step = PagedStep(pool=Pool(), kernel=None, slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
-                         query_starts=starts, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-                         max_context_len=max(context_lens))
-        kernel = SdpaAttention()
-        kernel._native_prefill = native_prefill
-        outputs.append(kernel.paged_attention(query, keys, values, step, 0.125, window).float())
-        plans = step.scratch[f"sdpa:{window}"]
+        out, plans = sdpa_over_step(query, keys, values, tables, context_lens, query_lens, 0.125, window,
+                                    native_prefill=native_prefill)
+        outputs.append(out.float())
         assert sum(bool(plan.get("prefill")) for plan in plans) == (1 if native_prefill else 0)
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
 

@@ -15,7 +15,7 @@ from scipy.stats import chi2
 
 from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 from tokenmill.engine.speculation import NgramIndex, Speculator
-from tokenmill.interfaces import PagedStep, blocks_for
+from tokenmill.interfaces import blocks_for
 from tokenmill.kernels import native as native_kernels
 
 
@@ -324,27 +324,17 @@ def test_a_sequence_cancelled_while_its_draft_is_verified_leaves_the_cached_bloc
 @pytest.mark.skipif(native_kernels.native_unavailable_reason() is not None, reason="native kernels unavailable")
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_decode_rows_of_several_tokens_through_the_native_kernel_match_sdpa(dtype, tolerance):
-    from test_native_kernels import scattered_pool
-
-    from tokenmill_plugins.attention.torch_kernels import SdpaAttention
-
-    class Pool:
-        block_size = 4
+    from test_native_kernels import scattered_pool, sdpa_over_step
 
     context_lens, query_lens = [9, 23, 6, 30], [1, 5, 3, 8]
-    keys, values, tables = scattered_pool(context_lens, Pool.block_size, kv_heads=2, dim=16, dtype=dtype)
+    keys, values, tables = scattered_pool(context_lens, 4, kv_heads=2, dim=16, dtype=dtype)
     query = torch.randn(sum(query_lens), 4, 16).to(dtype)
-    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
     outputs = []
     for native in (True, False):
-        step = PagedStep(pool=Pool(), kernel=None, slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
-                         query_starts=starts, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-                         max_context_len=max(context_lens))
-        kernel = SdpaAttention()
-        kernel._native = native
-        outputs.append(kernel.paged_attention(query, keys, values, step, 0.25).float())
+        out, plans = sdpa_over_step(query, keys, values, tables, context_lens, query_lens, 0.25, native=native)
+        outputs.append(out.float())
         if native:
-            assert step.scratch["sdpa:None"][0]["native"]
+            assert plans[0]["native"]
     torch.testing.assert_close(outputs[0], outputs[1], atol=tolerance, rtol=tolerance)
 
 

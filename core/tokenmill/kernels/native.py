@@ -139,6 +139,14 @@ def _warn_once(message: str, reason: str) -> None:
         log.warning(message, reason)
 
 
+def _built(kernel: str, unavailable: str) -> Any:
+    """The extension built from ``csrc/KERNEL.cpp``; raises ``unavailable``, with the reason, where it is not."""
+    module, reason = _load(kernel)
+    if module is None:
+        raise RuntimeError(f"{unavailable}: {reason}")
+    return module
+
+
 def prefill_unavailable_reason() -> str | None:
     """None when the bfloat16 prefill kernel is built and loaded (building it now if needed); else why not,
     logged once: bfloat16 prompt chunks then go through SDPA."""
@@ -162,9 +170,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     (one a row of ``block_tables``), where its queries start in ``query``, how many there are, and its context
     length after them (the queries are its last positions). Head sizes: multiples of 16 up to 256. Rows of
     ``out`` no chunk covers are left as they were. Call only when :func:`prefill_unavailable_reason` is None."""
-    module, reason = _load("paged_prefill")
-    if module is None:
-        raise RuntimeError(f"the native prefill kernel is unavailable: {reason}")
+    module = _built("paged_prefill", "the native prefill kernel is unavailable")
     module.paged_prefill(query, key_cache, value_cache, block_tables, query_starts, query_lens, context_lens,
                          sliding_window or 0, scale, out)
 
@@ -174,10 +180,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     """Write a step's keys and values (``[1, kv_heads, tokens, dim]``, as the model makes them) into their
     ``slots`` (int64, block × block_size + offset) of caches of the same dtype, in one call.
     Call only when :func:`native_unavailable_reason` is None."""
-    module, reason = _load()
-    if module is None:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
-    module.store_kv(key, value, key_cache, value_cache, slots)
+    _built("paged_decode", "the native CPU kernels are unavailable").store_kv(key, value, key_cache, value_cache,
+                                                                             slots)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -186,7 +190,5 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """Attention of one query token per sequence over its blocks: ``query`` ``[seqs, heads, dim]``,
     caches ``[blocks, block_size, kv_heads, dim]``; returns ``[seqs, heads, dim]``.
     Call only when :func:`native_unavailable_reason` is None."""
-    module, reason = _load()
-    if module is None:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    module = _built("paged_decode", "the native CPU kernels are unavailable")
     return module.paged_decode(query, key_cache, value_cache, block_tables, context_lens, sliding_window or 0, scale)
