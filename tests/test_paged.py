@@ -6,7 +6,9 @@ are back in the pool at the end.
 
 from __future__ import annotations
 
+import gc
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -290,6 +292,37 @@ def test_a_forward_compiled_in_the_background_serves_eagerly_until_built_and_the
     check_against_generate(tiny_model[0], tokenizer, REQUESTS, while_building)
     check_against_generate(tiny_model[0], tokenizer, requests, compiled)
     assert_pool_empty(engine)
+
+
+def python_runs_in_every_collection(engine: Any) -> tuple[list[str], Any]:
+    """Run the engine's requests while each allocation may start a collection that runs Python (as a
+    finalizer or a ``gc.callbacks`` entry does); the collections seen and the requests' sinks."""
+    seen: list[str] = []
+
+    def python_during_collection(phase: str, info: dict) -> None:
+        seen.append(phase)
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(python_during_collection)
+    gc.set_threshold(1)
+    try:
+        sinks, _ = run(engine, REQUESTS)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(python_during_collection)
+    return seen, sinks
+
+
+def test_python_run_by_a_garbage_collection_never_fails_a_compiled_step(paged_model, tiny_model):
+    _, tokenizer = tiny_model
+    engine = build_engine(paged_model, tokenizer, backend="paged", ignore_eos=True, max_batch_prefill_tokens=5)
+    engine.runner.build_compiled_forward()
+    run(engine, REQUESTS[:1])  # the engine thread's first compiled call: later ones skip the guards
+    assert engine.runner.compiled.ran
+    seen, sinks = python_runs_in_every_collection(engine)
+    assert seen, "collections ran, between the compiled calls"
+    check_against_generate(tiny_model[0], tokenizer, REQUESTS, sinks)
+    assert engine.runner.compiled is not None and engine.runner.compiled.ran
 
 
 def test_a_background_build_that_fails_is_tried_again_before_the_forward_stays_eager(paged_model, tiny_model,

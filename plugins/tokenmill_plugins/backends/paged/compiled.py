@@ -10,6 +10,8 @@ when it is ready. Dynamo's frame hook is per thread, so the engine's eager steps
 from __future__ import annotations
 
 import contextlib
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,7 +46,7 @@ class CompiledForward:
             # Python floats (the attention scale, norms' epsilon) as constants: traced as symbols, they made
             # dynamo start its analysis over, 16 s of a 56 s compile.
             with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(specialize_float=True), \
-                    self._guard_stance():
+                    self._guard_stance(), self._collections_held():
                 out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         finally:
             current_step.reset(token)
@@ -57,6 +59,13 @@ class CompiledForward:
         if set_stance is None or not self.ran:
             return contextlib.nullcontext()
         return set_stance("default", skip_guard_eval_unsafe=True)
+
+    def _collections_held(self) -> Any:
+        """Once compiled, no garbage collection starts inside the call: one that did would run Python (a
+        finalizer, a ``gc.callbacks`` entry) under dynamo's frame hook, which, its guards skipped, fails the
+        step as a recompilation. The collection runs when the call returns instead. Not while compiling:
+        tracing makes garbage enough to need collections."""
+        return held_collections() if self.ran else contextlib.nullcontext()
 
     @torch.inference_mode()
     def build(self, like: BlockPool, kernel: AttentionKernel, device: torch.device) -> None:
@@ -73,6 +82,18 @@ class CompiledForward:
         # The engine thread's first call evaluates dynamo's guards again (and its failure, unlike a later
         # one's, falls back to the eager forward instead of failing the step).
         self.ran = False
+
+
+@contextlib.contextmanager
+def held_collections() -> Iterator[None]:
+    """Python's garbage collector off for the block (it was on: on again after)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class ScratchPool:
