@@ -8,14 +8,15 @@ tokens; bad types, out-of-range values, too many stop sequences, over-long input
 and deeply nested JSON, unknown fields; clients that hang up mid-stream or abandon a request;
 slow readers; and bursts of twice ``--max-concurrent-requests`` at once (``bench.soak_requests``
 makes them). A request answered 429 is sent again after a backoff, so overload comes and goes.
-The first 10 % is a warm-up. Reported: the last HTTP status of each request, per kind; requests
-without an answer; latency of the successful ones; the server's resident memory (its process
-and children: psutil's RSS, the VmRSS of /proc) idle after the warm-up and at the end; and,
-idle, whether every KV block and concurrency slot came back (``/info``'s ``kv``, the
-``tokenmill_requests_in_flight`` gauge). The goals are printed met or missed; exit status 1 when
-one is missed. The KV pool is kept small (``--kv-tokens``) and made resident whole before
-anything is measured: its pages are first touched as its blocks are first handed out, which
-would otherwise read as growth. ``--kinds`` narrows the mix, ``--server-args`` adds server flags.
+The first 10 % is a warm-up. Reported: the last HTTP status of each request, per kind; requests without
+an answer; latency of the successful ones; the server's resident memory (its process and children:
+psutil's RSS, the VmRSS of /proc) idle after the warm-up and at the end; and, idle, whether every KV
+block and concurrency slot came back (``/info``'s ``kv``, the ``tokenmill_requests_in_flight`` gauge);
+and how many full garbage collections, each a pause of every thread, ran after the warm-up
+(``python_gc_collections_total{generation="2"}``). The goals are printed met or missed; exit status 1
+when one is missed. The KV pool is kept small (``--kv-tokens``) and made resident whole before anything
+is measured: its pages are first touched as its blocks are first handed out, which would otherwise read
+as growth. ``--kinds`` narrows the mix, ``--server-args`` adds server flags.
 
     python -m bench soak [--requests 2000] [--concurrency 24] [--kinds ...] [--model-id DIR] [--no-write]
 """
@@ -198,19 +199,26 @@ def idle_state(url: str, baseline_blocks: int | None = None, wait_s: float = 60)
     while True:
         try:
             info = httpx.get(url + "/info", timeout=30).json()
-            metrics = {s.name: s.value for f in text_string_to_metric_families(
-                httpx.get(url + "/metrics", timeout=30).text) for s in f.samples}
+            samples = [s for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+                       for s in f.samples]
         except httpx.HTTPError as error:
             return {"unreachable": str(error)}
         kv = info.get("kv") or {}
         state = {"queue_size": info["queue_size"], "batch_size": info["batch_size"], "backend": info.get("backend"),
-                 "in_flight": metrics.get("tokenmill_requests_in_flight"), "kv_blocks_used": kv.get("blocks_used"),
-                 "kv_blocks_total": kv.get("blocks_total"), "kv_blocks_cached": kv.get("blocks_cached")}
+                 "in_flight": next((s.value for s in samples if s.name == "tokenmill_requests_in_flight"), None),
+                 "kv_blocks_used": kv.get("blocks_used"), "kv_blocks_total": kv.get("blocks_total"),
+                 "kv_blocks_cached": kv.get("blocks_cached"), "full_gc": full_collections(samples)}
         done = not state["queue_size"] and not state["batch_size"] and not state["in_flight"] and (
             baseline_blocks is None or (state["kv_blocks_used"] or 0) <= baseline_blocks)
         if done or time.monotonic() > deadline:
             return state
         time.sleep(0.5)
+
+
+def full_collections(samples: list[Any]) -> float:
+    """How many full garbage collections (generation 2) the server process has run."""
+    return next((s.value for s in samples if s.name == "python_gc_collections_total"
+                 and s.labels.get("generation") == "2"), 0.0)
 
 
 def label(outcome: Outcome) -> str:
@@ -283,7 +291,8 @@ def render(run: dict[str, Any]) -> str:
               f"end: **{rss['growth_mb']:+.1f} MB**; under load at each tenth of the run: "
               f"{', '.join(map(str, rss.get('under_load_by_tenth', [])))} MB. Idle, KV blocks in use before/after: "
               f"{s['idle_before'].get('kv_blocks_used')}/{after.get('kv_blocks_used')} of "
-              f"{after.get('kv_blocks_total')}; requests in flight after: {after.get('in_flight')}."), "",
+              f"{after.get('kv_blocks_total')}; requests in flight after: {after.get('in_flight')}. Full garbage "
+              f"collections after the warm-up: {s.get('full_gc_after_warm_up', 0):.0f}."), "",
              *(f"- {'met' if met else '**missed**'}: {goal}" for goal, met in s["goals"].items())]
     for name in ("failures", "stream_errors", "no_answer"):
         lines += [f"- {name.replace('_', ' ')}: {g['count']} × {g['kind']} on `{g.get('route')}` → {g['status']}: "
@@ -343,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                 progress.say(f"  {sent[0]}/{args.requests} requests, RSS {samples[-1]:.0f} MB")
 
         outcomes = asyncio.run(drive(server.url, plan[:split], args.concurrency, burst, args.seed, tick))
-        idle_state(server.url, before["kv_blocks_used"])
+        warm = idle_state(server.url, before["kv_blocks_used"])
         rss["warm_mb"] = server.rss_bytes() / 1e6
         progress.say(f"warm-up: {len(outcomes)} requests, RSS {rss['warm_mb']:.0f} MB")
         outcomes += asyncio.run(drive(server.url, plan[split:], args.concurrency, burst, args.seed + 1, tick))
@@ -358,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.monotonic() - started
     summary = summarise(outcomes, rss, before, after, healthy, alive)
     summary["rss_mb"]["under_load_by_tenth"] = [round(mb) for mb in samples]
+    summary["full_gc_after_warm_up"] = after.get("full_gc", 0) - warm.get("full_gc", 0)
     run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "wall_s": wall,
            "command": "python -m bench soak " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": args.model_id or "SmolLM2-135M-Instruct", "concurrency": args.concurrency, "burst": burst,

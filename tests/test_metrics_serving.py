@@ -142,6 +142,16 @@ def test_latency_histograms_and_token_counters_follow_a_whole_and_a_streamed_req
     assert ("tokenmill_e2e_request_latency_seconds_bucket", (("le", "3600.0"),)) in after
 
 
+def test_garbage_collections_while_serving_are_counted_by_generation(server):
+    before = value(scrape(server), "python_gc_collections_total", generation="0")
+    with server.client() as client:
+        for _ in range(3):
+            assert client.post("/generate", json={"inputs": "Count: one, two,", "parameters": {
+                "max_new_tokens": 8}}).status_code == 200
+    after = scrape_until(server, lambda found: value(found, "python_gc_collections_total", generation="0") > before)
+    assert {labels["generation"] for labels in labelled(after, "python_gc_collections_total")} == {"0", "1", "2"}
+
+
 def test_an_idle_server_reports_no_kv_use_and_no_lora_adapters_at_work(server):
     found = scrape_until(server, lambda found: value(found, "tgi_batch_current_size") == 0
                          and value(found, "tokenmill_kv_cache_usage_ratio") == 0)

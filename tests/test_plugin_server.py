@@ -94,6 +94,7 @@ def test_json_output_logs_json_lines(plugin_server):
     lines = [line for line in plugin_server.log().splitlines() if line.startswith("{")]
     records = [json.loads(line) for line in lines]
     assert any(r["message"].startswith("ready:") for r in records)
+    assert any("objects kept out of garbage collection" in r["message"] for r in records)
     assert all({"timestamp", "level", "target", "message"} <= set(r) for r in records)
 
 

@@ -21,7 +21,7 @@ from tokenmill.engine.startup import start_engine
 from tokenmill.http.body import ApiError
 from tokenmill.http.tgi.validation import Validator
 from tokenmill.http.workers import ValidationWorkers
-from tokenmill.model import sharding
+from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.chat_template import read_chat_template, use_chat_template
 from tokenmill.model.compile import Compiler
@@ -138,6 +138,7 @@ class ServerState:
         self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
         started.engine.step_observer = self.metrics.step_finished
         started.engine.broken_observer = self._exit_when_broken
+        log.info("%d objects kept out of garbage collection, loaded for the server's life", kv_memory.freeze_heap())
         started.engine.start()
         if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
             self.compiler.start()

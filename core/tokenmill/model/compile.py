@@ -5,7 +5,6 @@ its own, in the background while the server serves with the eager forward."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import shutil
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from tokenmill.model.kv_memory import trim_heap
+from tokenmill.model.kv_memory import freeze_heap, trim_heap
 from tokenmill.model.loading import cache_dir
 
 if TYPE_CHECKING:
@@ -127,8 +126,8 @@ class Compiler:
         finally:
             sys.setswitchinterval(switch_interval)
         self.state = "compiled"
-        gc.collect()  # what tracing left behind (graphs, fake tensors) goes back to the OS with the heap's trim
-        trim_heap()
+        freeze_heap()  # what tracing left behind (graphs, fake tensors) is collected, goes back to the OS with
+        trim_heap()    # the heap's trim, and what the compile keeps is frozen
         log.info("steps now run through the compiled forward")
 
 

@@ -3,6 +3,7 @@ positions the KV pool gets in the memory left after loading."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -112,3 +113,14 @@ def trim_heap() -> bool:
 
 
 _libc: Any = None
+
+
+def freeze_heap() -> int:
+    """Collect, then move every Python object alive now out of the garbage collector's sight (``gc.freeze``):
+    call once the start (or the background compile) has built what lives as long as the server. The
+    model, the tokenizer and a compile leave millions of objects, and each full collection walked them
+    all, a pause of 0.3 to 1 s in the middle of serving; later ones walk only what serving made. Returns
+    how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.registry import Collector
 
 from tokenmill.observability.telemetry import RequestRecord
@@ -92,6 +93,7 @@ class Metrics:
         self.inter_token_latency = Histogram(
             "tokenmill_inter_token_latency_seconds", "seconds between two consecutive tokens of one sequence",
             buckets=TOKEN_GAP_BUCKETS, registry=r)
+        GCCollector(registry=r)  # python_gc_collections_total{generation}, as every Python exporter has it
         self.e2e_latency = Histogram("tokenmill_e2e_request_latency_seconds", "seconds from a successful request's "
                                      "arrival to its last byte", buckets=REQUEST_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "prompt tokens of the requests that got their "
