@@ -223,6 +223,7 @@ def test_auto_falls_back_to_transformers_for_a_model_paged_cannot_run(backend, e
         assert state.engine.healthy
     finally:
         state.engine.stop()
+        gc.unfreeze()  # a server freezes its heap for its life (kv_memory.freeze_heap); the tests' process goes on
 
 
 @pytest.mark.parametrize("change, reason", [
