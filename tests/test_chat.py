@@ -25,10 +25,10 @@ from tokenmill.http.openai.chat import (
 from tokenmill.http.openai.schemas import ChatRequest, NamedToolChoice
 from tokenmill.http.openai.schemas import Tool as ToolSpec
 from tokenmill.http.openai.shapes import StopHoldback
-from tokenmill.http.openai.toolcalls import ToolCallScanner, parse_tool_calls
 from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.model.chat_template import read_chat_template, use_chat_template
 from tokenmill.model.loading import ModelLoadError
+from tokenmill.parsing.json_calls import ToolCallScanner, parse_tool_calls
 from tokenmill.sampling.grammar import GrammarCompiler
 
 

@@ -192,7 +192,7 @@ def misbehaving_plugins(tmp_path, monkeypatch):
 def test_broken_plugins_are_left_out_with_one_line_each_and_the_rest_keep_working(misbehaving_plugins, caplog):
     pm = build_plugin_manager()
     assert "failed to import: ModuleNotFoundError" in pm.problems["broken"]
-    assert pm.problems["future"] == "it was built for tokenmill hooks 3.0; this tokenmill has hooks 2.0"
+    assert pm.problems["future"] == "it was built for tokenmill hooks 3.0; this tokenmill has hooks 2.1"
     assert "implements tokenmill_frobnicate" in pm.problems["stranger"]
     assert choose(pm, "scheduler", "quick").name == "quick"  # a good plugin (for hooks 1.0) beside them loads
     assert choose(pm, "scheduler", "fifo").name == "fifo"  # and so do the built-ins

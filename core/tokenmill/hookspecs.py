@@ -1,6 +1,7 @@
 """Every hook a tokenmill plugin can implement.
 
-Plugin kinds (backends, attention kernels, schedulers, KV allocators, quantizers) are offered
+Plugin kinds (backends, attention kernels, schedulers, KV allocators, quantizers, tool-call and
+reasoning parsers) are offered
 through the ``tokenmill_*s`` hooks: each returns a list of implementations, and the
 matching command-line flag picks one of them by ``name``. The other hooks let a
 plugin observe and extend the server. The hook docstrings are written in Markdown:
@@ -18,11 +19,19 @@ import pluggy
 if TYPE_CHECKING:
     import falcon.asgi
 
-    from tokenmill.interfaces import AttentionKernel, Backend, KVAllocator, Quantizer, Scheduler
+    from tokenmill.interfaces import (
+        AttentionKernel,
+        Backend,
+        KVAllocator,
+        Quantizer,
+        ReasoningParser,
+        Scheduler,
+        ToolParser,
+    )
 
 hookspec = pluggy.HookspecMarker("tokenmill")
 
-HOOKS_VERSION = "2.0"
+HOOKS_VERSION = "2.1"
 """The version of this set of hooks, ``major.minor``: the major grows when a hook changes in a way
 old plugins cannot follow, the minor when hooks are added. A plugin module says which version it
 was built for (``tokenmill_hooks_version = "2.0"``); it loads when the major versions are equal
@@ -231,6 +240,43 @@ def tokenmill_quantizers() -> list[Quantizer]:
     - `quantize(model)` changes the loaded model in place and returns a detail for the log.
 
     Quantization is the `quantizing` load stage, and `/info` shows the method.
+    """
+
+
+@hookspec
+def tokenmill_tool_parsers() -> list[ToolParser]:
+    """Offer tool-call parsers.
+
+    Called once when the server resolves `--tool-call-parser`, after the tokenizer is loaded. Receives
+    nothing. Returns a list of `tokenmill.interfaces.ToolParser` implementations; the one named by
+    `--tool-call-parser` reads tool calls out of chat outputs. Without the flag, the first parser (by
+    `order`) whose `detects(chat_template)` is true serves, else `tgi`. Built in: `hermes`,
+    `llama3_json`, `mistral`, `qwen3_xml` (and `qwen3_coder`), `pythonic` (vLLM's names) and `tgi`.
+
+    With a parser whose `grammar_forced` is false, the chat template shows the request's tools (its
+    `tools` variable) and, for `tool_choice: "auto"`, the model answers freely: `parse(text, tools,
+    final)` returns a `ParsedOutput(content, calls)` for the output so far, where each
+    `ParsedCall(name, arguments, complete)` holds the arguments as JSON text as far as written. It is
+    called again with the longer output after every token; what it returns must only grow (hold back
+    a tail that may still become a marker), and the server streams what grew. `special_texts` names
+    special tokens the format uses as markers, which stay in the text it reads. `tool_choice:
+    "required"` or a named function holds the output to the `tgi` parser's grammar whatever the parser.
+    """
+
+
+@hookspec
+def tokenmill_reasoning_parsers() -> list[ReasoningParser]:
+    """Offer reasoning parsers.
+
+    Called once when the server resolves `--reasoning-parser`. Receives nothing. Returns a list of
+    `tokenmill.interfaces.ReasoningParser` implementations; the one named by `--reasoning-parser`
+    splits chat outputs into `reasoning_content` and `content`. Built in: `deepseek_r1`, `qwen3`,
+    `granite` (vLLM's names).
+
+    `starts_reasoning(prompt)` says whether the output begins inside the reasoning (a template that
+    opens it in the prompt); `split(text, reasoning_first, final)` returns a `ReasonedOutput(reasoning,
+    content, ended)` for the output so far, which, like a tool parser's result, must only grow as the
+    text grows. Tool calls are read from the content only.
     """
 
 

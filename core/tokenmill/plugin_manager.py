@@ -34,6 +34,14 @@ BUILTIN_PLUGINS = (
     "tokenmill_plugins.quantizers.awq",
     "tokenmill_plugins.quantizers.bitsandbytes",
     "tokenmill_plugins.quantizers.fp8",
+    "tokenmill_plugins.tool_parsers.tgi",
+    "tokenmill_plugins.tool_parsers.hermes",
+    "tokenmill_plugins.tool_parsers.llama3_json",
+    "tokenmill_plugins.tool_parsers.mistral",
+    "tokenmill_plugins.tool_parsers.qwen3_xml",
+    "tokenmill_plugins.tool_parsers.pythonic",
+    "tokenmill_plugins.reasoning_parsers.think_tags",
+    "tokenmill_plugins.reasoning_parsers.granite",
 )
 
 AUTO_BACKENDS = ("flash", "paged", "transformers")
@@ -46,7 +54,12 @@ KIND_HOOKS = {
     "scheduler": "tokenmill_schedulers",
     "kv_allocator": "tokenmill_kv_allocators",
     "quantizer": "tokenmill_quantizers",
+    "tool_parser": "tokenmill_tool_parsers",
+    "reasoning_parser": "tokenmill_reasoning_parsers",
 }
+
+FLAGS = {"quantizer": "--quantize", "tool_parser": "--tool-call-parser"}
+"""The flag that picks each kind, where it is not ``--`` and the kind's name."""
 
 
 class PluginError(Exception):
@@ -208,7 +221,7 @@ def list_all(pm: pluggy.PluginManager) -> list[Offered]:
 def choose(pm: pluggy.PluginManager, kind: str, name: str) -> Implementation:
     """The implementation of ``kind`` called ``name``, or a PluginError listing the choices."""
     candidates = offered(pm, kind)
-    flag = "--quantize" if kind == "quantizer" else "--" + kind.replace("_", "-")
+    flag = FLAGS.get(kind, "--" + kind.replace("_", "-"))
     names = ", ".join(sorted({impl.name for impl, _ in candidates} | ({"auto"} if kind == "backend" else set())))
     for implementation, _source in candidates:
         if implementation.name == name:

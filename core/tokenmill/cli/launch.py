@@ -30,6 +30,10 @@ def preflight(config: Config) -> None:
     chosen = choose_all(pm, config.backend, config.attention, config.kv_allocator, config.scheduler, config.block_size)
     if config.quantize:
         choose(pm, "quantizer", config.quantize)
+    if config.tool_call_parser:
+        choose(pm, "tool_parser", config.tool_call_parser)
+    if config.reasoning_parser:
+        choose(pm, "reasoning_parser", config.reasoning_parser)
     if config.num_shard > 1:
         from tokenmill.model.sharding import plan_slice
 

@@ -47,6 +47,14 @@ _HELP = {
     "sharded": ("true: shard over --num-shard, else every visible GPU; false: one shard (TGI's flag; default: "
                 "unset, as many shards as --num-shard says)"),
     "disable_grammar_support": "refuse constrained generation (grammar, response_format, tools) with a 422",
+    "tool_call_parser": ("how chat outputs' tool calls are read: hermes, llama3_json, mistral, qwen3_xml, qwen3_coder, "
+                         "pythonic (the model's own format, its chat template showing the tools) or tgi (TGI's: the "
+                         "tools in a system message, the output held to JSON calls by a grammar); default: the format "
+                         "the chat template writes, else tgi"),
+    "enable_auto_tool_choice": ("vLLM's flag, accepted: tool_choice auto always lets the model answer in text or call "
+                                "tools in its own format"),
+    "reasoning_parser": ("split reasoning models' thinking into reasoning_content: deepseek_r1, qwen3, granite "
+                         "(default: none, the thinking stays in content)"),
     "master_addr": "address of rank 0 for torch.distributed (MASTER_ADDR, as torchrun sets it)",
     "master_port": "port of rank 0 for torch.distributed (MASTER_PORT)",
     "quantize": ("quantizer plugin: int8, int4, gptq, awq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8 "

@@ -76,6 +76,9 @@ class Config:
     stream_idle_timeout: float = 300.0
     validation_workers: int = 2
     disable_grammar_support: bool = False
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
     api_key: str | None = None
     api_key_file: str | None = None
     priority_header_keys: str | None = None

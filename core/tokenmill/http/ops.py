@@ -192,6 +192,8 @@ class InfoRoute:
             "prefix_caching": state.engine is not None and state.prefix_caching_off is None,
             "prefix_caching_off_reason": state.prefix_caching_off,
             "kv": state.engine.kv_usage() if state.engine else None,
+            "tool_call_parser": state.chat_format.tool_parser.name if state.chat_format else config.tool_call_parser,
+            "reasoning_parser": config.reasoning_parser,
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
             "ready": state.engine is not None and state.engine.healthy,
             "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),

@@ -19,6 +19,7 @@ from tokenmill.engine import Engine
 from tokenmill.engine.sequence import PRIORITY_CLASSES
 from tokenmill.engine.startup import start_engine
 from tokenmill.http.body import ApiError
+from tokenmill.http.openai.reading import ChatFormat, choose_chat_format
 from tokenmill.http.tgi.validation import Validator
 from tokenmill.http.workers import ValidationWorkers
 from tokenmill.model import kv_memory, sharding
@@ -105,6 +106,8 @@ class ServerState:
         self.prefix_caching_off: str | None = None
         """Once loaded: why prompts' computed prefixes are not reused, or None when they are."""
         self.compiler: Compiler | None = None
+        self.chat_format: ChatFormat | None = None
+        """Once loaded: the parsers that read chat outputs' tool calls and reasoning."""
         """Once loaded: which forward the steps take (eager, compiling in the background, compiled)."""
         self.vocab_size = 0
         self.in_flight = 0
@@ -124,6 +127,8 @@ class ServerState:
         chat_template = read_chat_template(self.config)  # before the weights: a bad one fails the start at once
         started = start_engine(self.config, self.pm, self.stages, on_chosen=self._set_chosen)
         use_chat_template(started.loaded.tokenizer, chat_template)
+        self.chat_format = choose_chat_format(self.pm, self.config.tool_call_parser, self.config.reasoning_parser,
+                                              started.loaded.tokenizer)
         self.loaded, self.vocab_size, self.adapters = started.loaded, started.vocab_size, started.adapters
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off

@@ -47,7 +47,8 @@ class ChatTokenizeRoute:
             raise ApiError(404, "No fast tokenizer available", "tokenizer")
 
         def tokenize(validator: Validator) -> dict[str, Any]:  # on a validation worker, the body's shape too
-            job = parse_chat(validator, check_body(ChatRequest, body), served_model(state), Caller())
+            assert state.chat_format is not None  # chosen before the engine is ready
+            job = parse_chat(validator, check_body(ChatRequest, body), served_model(state), Caller(), state.chat_format)
             templated = job.requests[0].inputs
             return {"tokenize_response": token_spans(validator, templated), "templated_text": templated}
 

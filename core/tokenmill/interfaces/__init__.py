@@ -6,8 +6,8 @@ implementation can run on this machine, else why not ("needs CUDA").
 
 One module per kind: :mod:`~tokenmill.interfaces.base` (:class:`Implementation`),
 :mod:`~tokenmill.interfaces.quantizer`, :mod:`~tokenmill.interfaces.attention`,
-:mod:`~tokenmill.interfaces.kv`, :mod:`~tokenmill.interfaces.scheduler` and
-:mod:`~tokenmill.interfaces.backend`; every name is importable from here.
+:mod:`~tokenmill.interfaces.kv`, :mod:`~tokenmill.interfaces.scheduler`,
+:mod:`~tokenmill.interfaces.backend` and :mod:`~tokenmill.interfaces.parsers`; every name is importable from here.
 """
 
 from tokenmill.interfaces.attention import AttentionKernel, PagedStep
@@ -24,6 +24,14 @@ from tokenmill.interfaces.kv import (
     blocks_for,
     padded_block_tables,
 )
+from tokenmill.interfaces.parsers import (
+    FunctionTool,
+    ParsedCall,
+    ParsedOutput,
+    ReasonedOutput,
+    ReasoningParser,
+    ToolParser,
+)
 from tokenmill.interfaces.quantizer import Quantizer
 from tokenmill.interfaces.scheduler import BatchLimits, Preemption, Scheduler, SchedulerQueue, StepBudget
 
@@ -36,19 +44,25 @@ __all__ = [
     "BlockPool",
     "CachingBlockPool",
     "EngineSetup",
+    "FunctionTool",
     "Implementation",
     "KVAllocator",
     "PaddedKVCache",
     "PagedStep",
+    "ParsedCall",
+    "ParsedOutput",
     "Preemption",
     "PrefillOutput",
     "PrefixHit",
     "PrefixLookup",
     "Quantizer",
+    "ReasonedOutput",
+    "ReasoningParser",
     "Scheduler",
     "SchedulerQueue",
     "StepBudget",
     "StepOutput",
+    "ToolParser",
     "blocks_for",
     "padded_block_tables",
 ]

@@ -15,25 +15,16 @@ import functools
 import inspect
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.http.openai.schemas import ContentPart, Message, NamedToolChoice, ToolCall
 from tokenmill.http.openai.schemas import Tool as ToolSpec
+from tokenmill.interfaces.parsers import FunctionTool as Tool
 from tokenmill.sampling.grammar import JSON_LAYOUT, Grammar, GrammarCompiler, GrammarError
 
 
 class ChatError(ValueError):
     """The conversation or its tools cannot be turned into a prompt (answered with 422)."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    """A tool the request offers, read from its checked shape."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
 
 
 def message_text(content: str | list[ContentPart] | None, where: str) -> str:
@@ -166,10 +157,11 @@ def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = Tr
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool,
                   parallel: bool = True, template_kwargs: dict[str, Any] | None = None,
-                  tool_prompt: str | None = None) -> str:
+                  tool_prompt: str | None = None, native: bool = False) -> str:
     """The prompt text for ``messages``: the chat template with the assistant's turn opened.
     ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees;
-    ``tool_prompt`` (TGI's) leads in the tools."""
+    ``tool_prompt`` (TGI's) leads in the tools. ``native``: the template alone shows the tools, and
+    the model calls them in its own format (no system message about the grammar's)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
@@ -178,12 +170,11 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
     if "tool_calls" not in template:
         messages = [_calls_as_text(m) for m in messages]
     kwargs: dict[str, Any] = dict(template_kwargs or {})
-    if tools:
-        # Always say how to call, even to a template that knows tools: the grammar wants our format, not its own.
+    if tools and not native:
+        # Say how to call, even to a template that knows tools: the grammar wants our format, not its own.
         messages = _with_system_note(messages, tools_instruction(tools, text_allowed, parallel, tool_prompt))
-        if "tools" in template:
-            kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                                   "parameters": t.parameters}} for t in tools]
+    if tools and (native or "tools" in template):
+        kwargs["tools"] = [tool.as_openai() for tool in tools]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises on a bad conversation

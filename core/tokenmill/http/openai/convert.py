@@ -22,6 +22,7 @@ from tokenmill.http.openai.chat import (
     tool_grammar,
     tools_to_offer,
 )
+from tokenmill.http.openai.reading import ChatFormat, OutputFormat
 from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest, SamplingFields
 from tokenmill.http.openai.structured import Constraint, output_constraint
 from tokenmill.http.schemas import ValidationError, check_body
@@ -103,8 +104,8 @@ class OpenAIJob:
     include_usage: bool
     logprobs: bool
     model: str
-    may_call_tool: bool = False
-    """Whether the output may be a tool call (the route then parses it as one)."""
+    output: OutputFormat = field(default_factory=OutputFormat)
+    """How a chat output is read: its reasoning and its tool calls (nothing to read by default)."""
     echo: bool = False
     scores_prompt: bool = False
     """``max_tokens: 0`` with ``echo``: the prompt is scored and nothing is generated (one token is,
@@ -130,22 +131,27 @@ class OpenAIJob:
                 "created": self.created, "model": self.model, "system_fingerprint": f"tokenmill-{__version__}"}
 
 
-def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: Caller) -> OpenAIJob:
-    """A chat completion request, rendered and tokenized (runs on a validation worker)."""
-    parallel = request.parallel_tool_calls is True  # TGI makes one call, and small models asked once call twice
+def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: Caller,
+               chat_format: ChatFormat) -> OpenAIJob:
+    """A chat completion request, rendered and tokenized (runs on a validation worker). Tools offered
+    with ``tool_choice`` ``auto`` are shown by the chat template and read by the server's tool parser
+    when it reads the model's own format; otherwise (``required``, a named function, or the ``tgi``
+    parser) the output is held to the JSON-calls grammar."""
+    parallel = request.parallel_tool_calls is not False  # OpenAI's and vLLM's default
     try:
         messages = parse_messages(request.messages)
         offered, text_allowed = tools_to_offer(parse_tools(request.tools or []), request.tool_choice)
+        native = bool(offered) and text_allowed and chat_format.native_tools
         variables = template_kwargs(validator.tokenizer, request.chat_template_kwargs)
         prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables,
-                               request.tool_prompt)
-        grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered else None
+                               request.tool_prompt, native=native)
+        grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered and not native else None
     except ChatError as error:
         raise ValidationError(str(error)) from None
     extra, adapter = routing(validator, request, caller)
     constraint = output_constraint(validator.grammars, request)
     if constraint is not None:
-        if grammar is not None:
+        if offered:
             raise ValidationError(f"`{constraint.field}` and `tools` cannot constrain the same output; "
                                   'send one of them (or `tool_choice: "none"`)')
         grammar = constrained(extra, constraint)
@@ -162,8 +168,11 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: C
     params = to_generate(request, max_tokens, **extra)
     generation = validator.generate(prompt, params, request.stream, add_special_tokens=False, max_top_n=max_top_n,
                                     grammar=grammar, tenant=caller.tenant)
+    reasoning = chat_format.reasoning
+    output = OutputFormat(tuple(offered), (chat_format.tool_parser if native else chat_format.forced) if offered
+                          else None, reasoning, reasoning is not None and reasoning.starts_reasoning(prompt), parallel)
     return OpenAIJob([generation], n, request.stream, include_usage(request), bool(request.logprobs),
-                     adapter or model, may_call_tool=bool(offered))
+                     adapter or model, output=output)
 
 
 def constrained(params: dict[str, Any], constraint: Constraint) -> Grammar:

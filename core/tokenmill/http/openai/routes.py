@@ -36,11 +36,13 @@ class OpenAIRoute:
         slot = state.take_slot(req.context.pop(HANDED_SLOT, None))
         try:
             body = await read_json(req, state.config)
-            shape, parse = (ChatRequest, parse_chat) if self.chat else (CompletionRequest, parse_completion)
-            model, caller = served_model(state), caller_of(req)
+            model, caller, chat_format = served_model(state), caller_of(req), state.chat_format
 
             def checked(validator: Validator) -> OpenAIJob:  # on a validation worker
-                return parse(validator, check_body(shape, body), model, caller)
+                if self.chat:
+                    assert chat_format is not None  # chosen before the engine is ready
+                    return parse_chat(validator, check_body(ChatRequest, body), model, caller, chat_format)
+                return parse_completion(validator, check_body(CompletionRequest, body), model, caller)
 
             job = await generation.validate(checked)
         except BaseException:

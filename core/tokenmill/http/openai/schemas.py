@@ -209,11 +209,16 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int = Field(ge=0, description="Prompt tokens served from the prefix cache")
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = Field(ge=0, description="Output tokens of the reasoning (with --reasoning-parser)")
+
+
 class Usage(ResponseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(ResponseModel):
@@ -244,6 +249,9 @@ class CalledTool(ResponseModel):
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = Field(None, description="The model's thinking (with --reasoning-parser; vLLM's "
+                                                             "name)")
+    reasoning: str | None = Field(None, description="The same thinking, under the name newer clients read")
     tool_calls: list[CalledTool] | None = None
 
 
@@ -282,6 +290,8 @@ class ToolCallDelta(ResponseModel):
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

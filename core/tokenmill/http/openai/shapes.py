@@ -11,7 +11,7 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
 from tokenmill.http.openai.convert import OpenAIJob
-from tokenmill.http.openai.toolcalls import ToolCallScanner, scan_tool_calls
+from tokenmill.http.openai.reading import OutputReader, calls_json, read_output
 
 
 def finish_reason(result: FinalResult, called: bool = False) -> str:
@@ -40,15 +40,48 @@ def chat_logprob(token: TokenInfo, top: list[TokenInfo]) -> dict[str, Any]:
     return {**entry(token), "top_logprobs": [entry(t) for t in top]}
 
 
+def output_text(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> str:
+    """The text the parsers read: the output without its stop sequence, and with the special tokens
+    the tool parser uses as markers (other special tokens are never text)."""
+    markers = job.output.special_texts
+    if not markers:
+        return without_stop(result.generated_text, stops)
+    return without_stop("".join(t.text for t in result.tokens if not t.special or t.text in markers), stops)
+
+
 def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], str]:
     """The assistant's message and its finish reason: ``tool_calls`` when the output is whole calls. A
-    call cut short (by ``max_tokens``) is still returned, its arguments as far as they got."""
-    text = without_stop(result.generated_text, stops)
-    scanner = scan_tool_calls(text) if job.may_call_tool else ToolCallScanner()
-    if scanner.calls:
-        calls = [call.as_call().as_json() for call in scanner.calls]
-        return {"role": "assistant", "content": None, "tool_calls": calls}, finish_reason(result, scanner.finished)
-    return {"role": "assistant", "content": text}, finish_reason(result)
+    call cut short (by ``max_tokens``) is still returned, its arguments as far as they got. With a
+    reasoning parser the thinking is ``reasoning_content`` (vLLM's field) and ``reasoning``."""
+    text = output_text(result, job, stops)
+    if not job.output.reads:
+        return {"role": "assistant", "content": text}, finish_reason(result)
+    read = read_output(job.output, text, final=True)
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": None if read.calls and not read.content.strip() else read.content}
+    if job.output.reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = read.reasoning or None
+    if read.calls:
+        message["tool_calls"] = calls_json(read.calls)
+    return message, finish_reason(result, read.finished_calls)
+
+
+def reasoning_tokens(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> int:
+    """How many output tokens the reasoning took: those before the answer's text begins."""
+    if job.output.reasoning is None:
+        return 0
+    text = output_text(result, job, stops)
+    read = read_output(job.output, text, final=True)
+    answer_starts = len(text) - len(read.content) if read.content or read.calls else len(text)
+    if not read.reasoning:
+        return 0
+    count, position = 0, 0
+    for token in result.tokens:
+        if position >= answer_starts:
+            break
+        position += 0 if token.special else len(token.text)
+        count += 1
+    return count
 
 
 def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
@@ -64,8 +97,11 @@ def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str
         choices.append({"index": index, "message": message, "logprobs": logprobs,
                         "finish_reason": reason})
     completion_tokens = sum(r.generated_tokens for r in results)
-    return {**job.common("chat.completion"), "choices": choices,
-            "usage": usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))}
+    usage = usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))
+    if job.output.reasoning is not None:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(reasoning_tokens(result, job, request.stop) for result in results)}
+    return {**job.common("chat.completion"), "choices": choices, "usage": usage}
 
 
 def completion_logprobs(tokens: list[TokenInfo], tops: list[list[TokenInfo]], start: int) -> dict[str, Any]:
@@ -143,11 +179,11 @@ class ChoiceStream:
         self.job, self.index, self.chat = job, index, chat
         self.request = job.requests[index // job.n]
         self.holdback = StopHoldback(self.request.stop)
-        self.calling: bool | None = None if job.may_call_tool else False
-        """Whether the output is tool calls: None until its first visible character says (``{`` opens one)."""
-        self.buffered = ""
-        """The text until that character; in a call, all of it, sent as text if no call ever gets its name."""
-        self.scanner = ToolCallScanner()
+        self.reader = OutputReader(job.output) if chat and job.output.reads else None
+        """Reads reasoning and tool calls out of the output as it grows (None: the text is the content)."""
+        self.markers = job.output.special_texts
+        self.logprobs: list[Any] = []
+        """Tokens' logprobs not sent yet: the reader may hold their text back a while."""
         self.offset = 0
         """Characters of this choice's text sent so far (completions' ``text_offset``)."""
 
@@ -161,47 +197,25 @@ class ChoiceStream:
 
     def on_token(self, event: TokenEvent) -> list[dict[str, Any]]:
         token = event.token
-        text = "" if token.special else self.holdback.push(token.text, event.held)
+        shown = not token.special or token.text in self.markers
+        text = self.holdback.push(token.text, event.held) if shown else ""
         if event.final is not None:
             text += self.holdback.finish()
-        chunks = []
         logprobs = self._logprobs(event) if self.job.logprobs and not token.special else None
-        if self.calling is None:
-            self.buffered, text = self.buffered + text, ""
-            if self.buffered.strip():
-                self.calling = self.buffered.lstrip().startswith("{")
-                if self.calling:
-                    chunks += self._call_chunks(self.buffered)
-                else:
-                    text, self.buffered = self.buffered, ""
-        elif self.calling:
-            self.buffered += text
-            chunks += self._call_chunks(text)
-        if self.calling is False and (text or logprobs):
-            chunks.append(self._text_chunk(text, logprobs, None))
-        if event.final is not None:
-            chunks += self._closing(event.final)
-        return chunks
-
-    def _call_chunks(self, text: str) -> list[dict[str, Any]]:
-        """OpenAI's incremental tool-call deltas for the output's next ``text``: a call's id, type and
-        name with empty arguments once its name is known, then each new piece of its arguments."""
+        if self.reader is None:
+            chunks = [self._text_chunk(text, logprobs, None)] if text or logprobs else []
+            if event.final is not None:
+                chunks.append(self._text_chunk("", None, finish_reason(event.final)))
+            return chunks
+        if logprobs is not None:
+            self.logprobs += logprobs["content"]
         chunks = []
-        for delta in self.scanner.feed(text):
-            if delta.name is not None:
-                call = self.scanner.calls[delta.index]
-                entry = {"index": delta.index, "id": call.id, "type": "function",
-                         "function": {"name": delta.name, "arguments": ""}}
-            else:
-                entry = {"index": delta.index, "function": {"arguments": delta.arguments}}
-            chunks.append(self._chunk({"tool_calls": [entry]}, None, None))
+        for delta in self.reader.push(text, event.final is not None):
+            held, self.logprobs = ({"content": self.logprobs} if self.logprobs else None), []
+            chunks.append(self._chunk(delta, held, None))
+        if event.final is not None:
+            chunks.append(self._chunk({}, None, finish_reason(event.final, self.reader.sent.finished_calls)))
         return chunks
-
-    def _closing(self, final: FinalResult) -> list[dict[str, Any]]:
-        if self.calling and self.scanner.calls:
-            return [self._chunk({}, None, finish_reason(final, self.scanner.finished))]
-        chunks = [self._text_chunk(self.buffered, None, None)] if self.buffered else []
-        return chunks + [self._text_chunk("", None, finish_reason(final))]
 
     def _text_chunk(self, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
         if self.chat:

@@ -53,6 +53,8 @@ class Info(ResponseModel):
     prefix_caching: bool | None = None
     prefix_caching_off_reason: str | None = None
     kv: dict[str, Any] | None = Field(None, description="The KV cache's use now (bytes, blocks)")
+    tool_call_parser: str | None = Field(None, description="What reads chat outputs' tool calls (--tool-call-parser)")
+    reasoning_parser: str | None = Field(None, description="What splits reasoning from the answer (--reasoning-parser)")
     lora_adapters: list[str] | None = None
     ready: bool | None = None
     load_stage: str | None = None

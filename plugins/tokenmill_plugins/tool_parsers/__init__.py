@@ -1,0 +1,1 @@
+"""Built-in tool-call parsers, one format per module (``--tool-call-parser``)."""
