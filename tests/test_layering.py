@@ -19,7 +19,7 @@ Layers, top to bottom (a module may import its own layer or lower ones, never a 
     tokenmill.cli, tokenmill.__main__
     tokenmill.http
     tokenmill.engine
-    tokenmill.sampling, tokenmill.model, tokenmill.kernels, tokenmill.observability
+    tokenmill.sampling, tokenmill.model, tokenmill.kernels, tokenmill.observability, tokenmill.parsing
     tokenmill.interfaces
 
 Beside the layers stand the shared foundations ``tokenmill`` (the package root), ``tokenmill.config``,
@@ -48,14 +48,14 @@ TRACKED_ROOTS = (*PACKAGES, "falcon")
 OLD_PATHS = tuple(PROMISED_OLD_PATHS)  # the hooks 1.0 paths, kept only as re-exports
 
 ENGINE_THREAD = ("tokenmill.engine", "tokenmill.sampling", "tokenmill.model", "tokenmill.kernels",
-                 "tokenmill.interfaces")
+                 "tokenmill.parsing", "tokenmill.interfaces")
 HTTP_SIDE = ("tokenmill.http", "falcon")
 FRONT_END = ("tokenmill.http", "tokenmill.cli")
 LAYERS: tuple[tuple[str, ...], ...] = (  # top to bottom
     ("tokenmill.cli", "tokenmill.__main__"),
     ("tokenmill.http",),
     ("tokenmill.engine",),
-    ("tokenmill.sampling", "tokenmill.model", "tokenmill.kernels", "tokenmill.observability"),
+    ("tokenmill.sampling", "tokenmill.model", "tokenmill.kernels", "tokenmill.observability", "tokenmill.parsing"),
     ("tokenmill.interfaces",),
 )
 CONFIG_MODULES = ("tokenmill.config", "tokenmill.config.settings", "tokenmill.config.flags",
@@ -356,7 +356,8 @@ def test_every_core_module_has_a_place_in_the_layering(modules: dict[str, Source
 
 
 def test_imports_never_point_up_the_layers(arrows: list[Arrow]) -> None:
-    """cli > http > engine > (sampling, model, kernels, observability) > interfaces: import down or sideways."""
+    """cli > http > engine > (sampling, model, kernels, observability, parsing) > interfaces: import down or
+    sideways."""
     def points_up(arrow: Arrow) -> bool:
         source, target = layer(arrow.source), layer(arrow.target)
         return source is not None and target is not None and target < source
