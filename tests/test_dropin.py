@@ -202,6 +202,26 @@ def test_detokenize_inverts_tokenize_and_refuses_ids_the_model_lacks(tgi_server)
     assert beyond.status_code == 422 and wrong.status_code == 422
 
 
+def test_tokenize_answers_vllms_bodies_in_vllms_shape_and_tgis_in_tgis(tgi_server):
+    messages = [{"role": "user", "content": "Hello world"}]
+    with tgi_server.client() as client:
+        tgi = client.post("/tokenize", json={"inputs": "Hello world"}).json()
+        prompt = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+        chat = client.post("/tokenize", json={"model": "any", "messages": messages}).json()
+        templated = client.post("/chat_tokenize", json={"messages": messages}).json()
+        open_turn = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        info = client.get("/info").json()
+        refused = [client.post("/tokenize", json=body) for body in (
+            {"prompt": 12}, {"messages": []}, {"messages": messages, "add_special_tokens": "yes"})]
+    assert [token["id"] for token in tgi] == prompt["tokens"] and prompt["count"] == len(prompt["tokens"])
+    assert prompt["token_strs"] == [token["text"].replace(" ", "Ġ") for token in tgi]
+    assert prompt["max_model_len"] == info["max_total_tokens"]
+    assert chat["tokens"] == [token["id"] for token in templated["tokenize_response"]]
+    assert chat["token_strs"] is None and chat["count"] == len(chat["tokens"])
+    assert open_turn["count"] < chat["count"], "without the generation prompt, the assistant's turn is not opened"
+    assert all(r.status_code == 422 and r.json()["error_type"] == "validation" for r in refused)
+
+
 def test_tokenizer_info_and_version_answer_as_vllm_does(tgi_server):
     from tokenmill import __version__
 

@@ -36,8 +36,8 @@ from tokenmill.http.ops import (
 )
 from tokenmill.http.platform import InvocationsRoute, RootRoute, VersionRoute
 from tokenmill.http.state import ServerState
-from tokenmill.http.tgi.routes import GenerateRoute, TokenizeRoute
-from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute
+from tokenmill.http.tgi.routes import GenerateRoute
+from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute, TokenizeRoute
 from tokenmill.observability.metrics import serve_metrics
 from tokenmill.plugin_manager import build_plugin_manager
 

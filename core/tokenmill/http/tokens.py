@@ -1,6 +1,7 @@
-"""The tokenizer's routes beyond TGI's /tokenize: TGI's ``POST /chat_tokenize`` (a chat request
-templated and tokenized exactly as /v1/chat/completions would run it), and vLLM's ``POST
-/detokenize`` and ``GET /tokenizer_info``."""
+"""The tokenizer's routes: ``POST /tokenize`` in TGI's form (``inputs``) and vLLM's (``prompt`` or
+``messages``), told apart by the body's keys; TGI's ``POST /chat_tokenize`` (a chat request templated
+and tokenized exactly as /v1/chat/completions would run it), and vLLM's ``POST /detokenize`` and
+``GET /tokenizer_info``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import falcon.asgi
 
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.context import Caller
+from tokenmill.http.openai.chat import ChatError, parse_messages, parse_tools, render_prompt, template_kwargs
 from tokenmill.http.openai.convert import parse_chat
+from tokenmill.http.openai.reading import ChatFormat
 from tokenmill.http.openai.routes import served_model
 from tokenmill.http.openai.schemas import ChatRequest
 from tokenmill.http.schemas import ValidationError, check_body
-from tokenmill.http.schemas.ops import DetokenizeRequest
+from tokenmill.http.schemas.ops import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from tokenmill.http.state import ServerState, slot_held
+from tokenmill.http.tgi.routes import tgi_tokenize
 from tokenmill.http.tgi.validation import Validator
 
 
@@ -34,6 +38,73 @@ def token_spans(validator: Validator, text: str) -> list[dict[str, Any]]:
     encoding = validator.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [{"id": token_id, "text": text[start:stop], "start": start, "stop": stop}
             for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
+
+VLLM_KEYS = ("prompt", "messages")
+"""What marks a body as vLLM's ``/tokenize`` request (TGI's has ``inputs``)."""
+
+
+def vllm_form(body: Any) -> bool:
+    return isinstance(body, dict) and "inputs" not in body and any(key in body for key in VLLM_KEYS)
+
+
+def vllm_tokenize(validator: Validator, body: dict[str, Any], chat_format: ChatFormat) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a prompt's tokens, or a conversation's as the chat template renders it
+    (with its tools shown as a chat request with ``tool_choice: "auto"`` shows them)."""
+    tokenizer = validator.tokenizer
+    if "messages" in body:
+        request: TokenizeChatRequest | TokenizePromptRequest = check_body(TokenizeChatRequest, body)
+        assert isinstance(request, TokenizeChatRequest)
+        try:
+            tools = parse_tools(request.tools or [])
+            text = render_prompt(tokenizer, parse_messages(request.messages), tools, True,
+                                 template_kwargs=template_kwargs(tokenizer, request.chat_template_kwargs),
+                                 native=chat_format.native_tools,
+                                 add_generation_prompt=request.add_generation_prompt,
+                                 continue_final_message=request.continue_final_message)
+        except ChatError as error:
+            raise ValidationError(str(error)) from None
+    else:
+        request = check_body(TokenizePromptRequest, body)
+        assert isinstance(request, TokenizePromptRequest)
+        text = request.prompt
+    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    return {"count": len(ids), "max_model_len": validator.config.max_total_tokens, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None}
+
+
+class TokenizeRoute:
+    """``POST /tokenize``: TGI's body (``inputs``) gets TGI's answer, vLLM's (``prompt`` or ``messages``)
+    vLLM's."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        state = self.state
+        serving_validator(state)
+        chat_format = state.chat_format
+        assert chat_format is not None  # chosen before the engine is ready
+
+        def tokenize(validator: Validator) -> Any:  # on a validation worker, the body's shape too
+            if vllm_form(body):
+                return vllm_tokenize(validator, body, chat_format)
+            if not getattr(validator.tokenizer, "is_fast", False):
+                raise NoFastTokenizer
+            return tgi_tokenize(validator, body)
+
+        with slot_held(state):
+            body = await read_json(req, state.config)
+            try:
+                resp.media = await state.workers.validate(tokenize)
+            except NoFastTokenizer:
+                raise ApiError(404, "No fast tokenizer available", "tokenizer") from None
+            except ValidationError as error:
+                raise ApiError(422, str(error), "validation") from None
+
+
+class NoFastTokenizer(Exception):
+    """TGI's /tokenize needs a fast tokenizer's character offsets."""
 
 
 class ChatTokenizeRoute:

@@ -157,11 +157,14 @@ def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = Tr
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool,
                   parallel: bool = True, template_kwargs: dict[str, Any] | None = None,
-                  tool_prompt: str | None = None, native: bool = False) -> str:
+                  tool_prompt: str | None = None, native: bool = False, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
     """The prompt text for ``messages``: the chat template with the assistant's turn opened.
     ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees;
     ``tool_prompt`` (TGI's) leads in the tools. ``native``: the template alone shows the tools, and
-    the model calls them in its own format (no system message about the grammar's)."""
+    the model calls them in its own format (no system message about the grammar's). A chat request
+    always opens the assistant's turn; vLLM's ``/tokenize`` may ask for neither or to continue the
+    last message."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
@@ -176,7 +179,10 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
     if tools and (native or "tools" in template):
         kwargs["tools"] = [tool.as_openai() for tool in tools]
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and
+                                             not continue_final_message, tokenize=False, **kwargs)
     except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises on a bad conversation
         raise ChatError(f"the chat template refused the conversation: {error}") from None
 

@@ -1,5 +1,5 @@
 """The shapes of tokenmill's operational and tokenizer routes: ``/info`` (TGI's Info, and more),
-``/queue``, ``/adapters``, ``/reset_prefix_cache``, vLLM's ``/detokenize``, ``/tokenizer_info`` and
+``/queue``, ``/adapters``, ``/reset_prefix_cache``, vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and
 ``/version``."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from tokenmill.http.openai.schemas import MAX_TOOLS, Message, Tool
 from tokenmill.http.schemas import RequestModel, ResponseModel
-from tokenmill.http.schemas.kinds import Integer, String
+from tokenmill.http.schemas.kinds import Boolean, Integer, Object, String
 
 
 class LoadStage(ResponseModel):
@@ -115,6 +116,37 @@ class LoadedAdapter(ResponseModel):
 class PrefixCacheReset(ResponseModel):
     prefix_caching: bool
     dropped_blocks: int = Field(ge=0)
+
+
+class TokenizePromptRequest(RequestModel):
+    """vLLM's ``/tokenize`` with a prompt."""
+
+    model: String | None = None
+    prompt: String
+    add_special_tokens: Boolean = True
+    return_token_strs: Boolean = False
+
+
+class TokenizeChatRequest(RequestModel):
+    """vLLM's ``/tokenize`` with messages, rendered by the chat template as a chat request would be."""
+
+    model: String | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    add_generation_prompt: Boolean = True
+    continue_final_message: Boolean = False
+    add_special_tokens: Boolean = False
+    chat_template_kwargs: Object | None = None
+    return_token_strs: Boolean = False
+
+
+class TokenizeResponse(ResponseModel):
+    """vLLM's ``/tokenize`` answer."""
+
+    count: int = Field(ge=0)
+    max_model_len: int = Field(ge=1)
+    tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(RequestModel):

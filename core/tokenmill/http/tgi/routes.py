@@ -1,4 +1,4 @@
-"""TGI's generation routes (``/generate``, ``/generate_stream``, ``/``) and ``/tokenize``."""
+"""TGI's generation routes (``/generate``, ``/generate_stream``, ``/``) and ``/tokenize``'s TGI form."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, TokenEvent
-from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.body import read_json
 from tokenmill.http.context import HANDED_SLOT, Caller, caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.schemas import ValidationError, check_body
-from tokenmill.http.state import ServerState, Slot, slot_held
+from tokenmill.http.state import Slot
 from tokenmill.http.tgi.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest
 from tokenmill.http.tgi.validation import Validator
 
@@ -121,27 +121,10 @@ def with_priority(params: GenerateParameters, caller: Caller) -> GenerateParamet
     return check_body(GenerateParameters, {**params.model_dump(exclude_unset=True), "priority": caller.priority})
 
 
-class TokenizeRoute:
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        self.state.ready_engine()
-        validator = self.state.workers.first
-        assert validator is not None
-        if not getattr(validator.tokenizer, "is_fast", False):
-            raise ApiError(404, "No fast tokenizer available", "tokenizer")
-
-        def tokenize(validator: Validator) -> list[dict[str, Any]]:  # on a validation worker, the shape too
-            # TGI reads /tokenize's body as a generate request: its parameters are checked, then unused.
-            inputs = check_body(GenerateRequest, body).inputs
-            encoding = validator.tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True)
-            return [{"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
-                    for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
-
-        with slot_held(self.state):
-            body = await read_json(req, self.state.config)
-            try:
-                resp.media = await self.state.workers.validate(tokenize)
-            except ValidationError as error:
-                raise ApiError(422, str(error), "validation") from None
+def tgi_tokenize(validator: Validator, body: Any) -> list[dict[str, Any]]:
+    """TGI's ``/tokenize``: each token of ``inputs`` (special ones added) with its text and character
+    span. TGI reads the body as a generate request: its parameters are checked, then unused."""
+    inputs = check_body(GenerateRequest, body).inputs
+    encoding = validator.tokenizer(inputs, add_special_tokens=True, return_offsets_mapping=True)
+    return [{"id": token_id, "text": inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
