@@ -1,78 +1,20 @@
 """Tools in the model's own format and reasoning, through a real server and the ``openai`` client.
 
-The server runs the tiny random model with a Hermes/Qwen-style chat template (tools shown by the
-template, calls written as ``<tool_call>`` blocks, Qwen3's ``enable_thinking`` switch) and the
-``qwen3`` reasoning parser. A random model writes no calls of its own, so an entry-point plugin's
-logits processor makes it write a scripted output, token by token, for requests whose ``seed``
-names a script: what a Qwen3 model would write. Everything after the processor is the server's
-real path: the stream, the parsers, the shapes the client reads."""
+The server (:mod:`scripted_model`) runs the tiny random model with a Hermes/Qwen-style chat template
+and the ``qwen3`` reasoning parser; for requests whose ``seed`` names a script, an entry-point
+plugin makes the model write what a Qwen3 model would. Everything after that plugin's logits
+processor is the server's real path: the stream, the parsers, the shapes the client reads."""
 
 from __future__ import annotations
 
 import json
-import textwrap
 
 import httpx
 import pytest
-from conftest import start_server
+from scripted_model import ANSWERING, CALLING, SCRIPTS, THINKING_ANSWER, start_scripted_server
 
 openai = pytest.importorskip("openai")
 
-TEMPLATE = textwrap.dedent("""\
-    {%- if tools %}<|im_start|>system
-    You may call functions. <tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
-    Call one as <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>.<|im_end|>
-    {% endif %}
-    {%- for message in messages %}<|im_start|>{{ message.role }}
-    {% if message.content %}{{ message.content }}{% endif %}
-    {%- if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>
-    {{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
-    </tool_call>{% endfor %}{% endif %}<|im_end|>
-    {% endfor %}
-    {%- if add_generation_prompt %}<|im_start|>assistant
-    {% if enable_thinking is defined and enable_thinking is false %}<think>
-
-    </think>
-
-    {% endif %}{% endif %}""")
-
-PLUGIN = textwrap.dedent('''
-    """Makes the model write a scripted output for a request whose seed names one."""
-    import json
-    import os
-
-    import torch
-
-    import tokenmill
-
-    with open(os.environ["SCRIPTED_OUTPUTS"]) as file:
-        SCRIPTS = json.load(file)
-    END = int(os.environ["SCRIPTED_END"])
-
-    @tokenmill.hookimpl
-    def tokenmill_logits_processors(parameters):
-        script = SCRIPTS.get(str(parameters.get("seed")))
-        if script is None:
-            return []
-        written = []
-
-        def follow(token_ids, scores):
-            target = script[len(written)] if len(written) < len(script) else END
-            written.append(target)
-            forced = torch.full_like(scores, float("-inf"))
-            forced[..., target] = 0.0
-            return forced
-
-        return [follow]
-''')
-
-CALLING, ANSWERING, THINKING_ANSWER = 1, 2, 3
-SCRIPTS = {
-    CALLING: "<think>\nThe user asks about Paris.\n</think>\n\nLet me check.\n<tool_call>\n"
-             '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-    ANSWERING: "It is sunny in Paris, 21 degrees.",
-    THINKING_ANSWER: "<think>\nSunny, so say so.\n</think>\n\nIt is sunny in Paris.",
-}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -83,25 +25,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    site = tmp_path_factory.mktemp("site")
-    scripts = site / "scripts.json"
-    scripts.write_text(json.dumps({str(seed): tokenizer.encode(text, add_special_tokens=False)
-                                   for seed, text in SCRIPTS.items()}))
-    (site / "scripted_output.py").write_text(PLUGIN)
-    dist = site / "scripted_output-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: scripted-output\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[tokenmill]\nscripted = scripted_output\n")
-    (site / "template.jinja").write_text(TEMPLATE)
-    running = start_server(
-        ["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--dtype", "float32",
-         "--chat-template", str(site / "template.jinja"), "--reasoning-parser", "qwen3", "--enable-auto-tool-choice"],
-        tmp_path_factory.mktemp("native-tools"),
-        env={"PYTHONPATH": str(site), "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "0", "SCRIPTED_OUTPUTS": str(scripts),
-             "SCRIPTED_END": str(tokenizer.eos_token_id)})
+    running = start_scripted_server(tiny_model_dir, tmp_path_factory,
+                                    ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice"])
     yield running
     running.stop()
 

@@ -20,6 +20,7 @@ import falcon.asgi
 import pluggy
 
 from tokenmill.config import Config
+from tokenmill.http.anthropic.routes import CountTokensRoute, MessagesRoute
 from tokenmill.http.body import ApiError
 from tokenmill.http.context import SCOPE_KEY, DisconnectWatch, request_scope
 from tokenmill.http.generation import Generation
@@ -152,6 +153,8 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
+    app.add_route("/v1/messages", MessagesRoute(generation))
+    app.add_route("/v1/messages/count_tokens", CountTokensRoute(state))
     app.add_route("/ping", health)  # SageMaker's name for the health check
     app.add_route("/invocations", InvocationsRoute(state, chat=ChatCompletionsRoute(generation),
                                                    completions=CompletionsRoute(generation),

@@ -9,15 +9,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import falcon.asgi
 
 from tokenmill.engine import Engine
 from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest, Sequence, TokenEvent
 from tokenmill.engine.stream import StreamClosed, TokenStream
-from tokenmill.http.body import ApiError
-from tokenmill.http.context import on_disconnect, record_of, watch_receive
+from tokenmill.http.body import ApiError, read_json
+from tokenmill.http.context import HANDED_SLOT, on_disconnect, record_of, watch_receive
 from tokenmill.http.schemas import ValidationError
 from tokenmill.http.state import ServerState, Slot, adapter_api_error
 from tokenmill.http.tgi.validation import Validator
@@ -114,6 +114,20 @@ class Generation:
             return await self.state.workers.validate(check)
         except ValidationError as error:
             raise ApiError(422, str(error), "validation") from None
+
+    async def admitted(self, req: falcon.asgi.Request, check: Callable[[Any, Validator], T]) -> tuple[Slot, T]:
+        """The request's concurrency slot (the one a route handed over, or a new one) and
+        ``check(body, validator)`` of its JSON body, run on a validation worker; the slot is let go
+        when anything fails before the request is handed on."""
+        state = self.state
+        state.ready_engine()
+        slot = state.take_slot(req.context.pop(HANDED_SLOT, None))
+        try:
+            body = await read_json(req, state.config)
+            return slot, await self.validate(lambda validator: check(body, validator))
+        except BaseException:
+            slot.release()
+            raise
 
     @property
     def device(self) -> str:

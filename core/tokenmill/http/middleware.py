@@ -23,6 +23,7 @@ GENERATION_ROUTES = {
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
     "/invocations": "invocations",
+    "/v1/messages": "messages",
 }
 """Paths whose POSTs are generation requests: counted, timed, logged and traced."""
 
@@ -74,7 +75,8 @@ class RequestContext:
 
 class ApiKeyAuth:
     """``--api-key`` / ``--api-key-file``: every route but the open ones wants ``Authorization: Bearer
-    <key>`` with one of the keys, compared in constant time (UTF-8, as clients send non-ASCII keys).
+    <key>`` (or Anthropic's ``x-api-key: <key>``) with one of the keys, compared in constant time
+    (UTF-8, as clients send non-ASCII keys).
     The key names the request's tenant (:attr:`RequestScope.tenant`). CORS preflights pass (browsers
     send them without credentials)."""
 
@@ -86,7 +88,9 @@ class ApiKeyAuth:
         if is_open(req):
             return
         # ASGI servers hand headers over as latin-1 text: its bytes are what the client sent.
-        given = (req.get_header("Authorization") or "").encode("latin-1", errors="replace")
+        anthropic_key = req.get_header("x-api-key")
+        header = req.get_header("Authorization") or (f"Bearer {anthropic_key}" if anthropic_key else "")
+        given = header.encode("latin-1", errors="replace")
         matched = None
         for expected, tenant, may_set_priority in self.expected:  # every key compared, whichever matches
             if hmac.compare_digest(given, expected):

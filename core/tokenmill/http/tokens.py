@@ -18,7 +18,7 @@ from tokenmill.http.openai.reading import ChatFormat
 from tokenmill.http.openai.routes import served_model
 from tokenmill.http.openai.schemas import ChatRequest
 from tokenmill.http.schemas import ValidationError, check_body
-from tokenmill.http.schemas.ops import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
+from tokenmill.http.schemas.ops import DetokenizeRequest, VllmTokenizeChat, VllmTokenizePrompt
 from tokenmill.http.state import ServerState, slot_held
 from tokenmill.http.tgi.routes import tgi_tokenize
 from tokenmill.http.tgi.validation import Validator
@@ -53,8 +53,8 @@ def vllm_tokenize(validator: Validator, body: dict[str, Any], chat_format: ChatF
     (with its tools shown as a chat request with ``tool_choice: "auto"`` shows them)."""
     tokenizer = validator.tokenizer
     if "messages" in body:
-        request: TokenizeChatRequest | TokenizePromptRequest = check_body(TokenizeChatRequest, body)
-        assert isinstance(request, TokenizeChatRequest)
+        request: VllmTokenizeChat | VllmTokenizePrompt = check_body(VllmTokenizeChat, body)
+        assert isinstance(request, VllmTokenizeChat)
         try:
             tools = parse_tools(request.tools or [])
             text = render_prompt(tokenizer, parse_messages(request.messages), tools, True,
@@ -65,8 +65,8 @@ def vllm_tokenize(validator: Validator, body: dict[str, Any], chat_format: ChatF
         except ChatError as error:
             raise ValidationError(str(error)) from None
     else:
-        request = check_body(TokenizePromptRequest, body)
-        assert isinstance(request, TokenizePromptRequest)
+        request = check_body(VllmTokenizePrompt, body)
+        assert isinstance(request, VllmTokenizePrompt)
         text = request.prompt
     ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     return {"count": len(ids), "max_model_len": validator.config.max_total_tokens, "tokens": ids,

@@ -21,7 +21,8 @@ class RequestRecord:
 
     request_id: str
     route: str
-    """``generate``, ``generate_stream``, ``compat_generate`` (``POST /``), ``chat_completions`` or ``completions``."""
+    """``generate``, ``generate_stream``, ``compat_generate`` (``POST /``), ``chat_completions``, ``completions``,
+    ``invocations`` or ``messages``."""
     started_ns: int
     """Wall-clock arrival (``time.time_ns()``): where the trace's spans start."""
     started_monotonic: float = field(default_factory=time.monotonic)

@@ -15,6 +15,7 @@ from tokenmill.engine.sequence import FinalResult, GenerationRequest
 from tokenmill.http.context import Caller
 from tokenmill.http.openai.chat import (
     ChatError,
+    Tool,
     parse_messages,
     parse_tools,
     render_prompt,
@@ -131,12 +132,20 @@ class OpenAIJob:
                 "created": self.created, "model": self.model, "system_fingerprint": f"tokenmill-{__version__}"}
 
 
-def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: Caller,
-               chat_format: ChatFormat) -> OpenAIJob:
-    """A chat completion request, rendered and tokenized (runs on a validation worker). Tools offered
-    with ``tool_choice`` ``auto`` are shown by the chat template and read by the server's tool parser
-    when it reads the model's own format; otherwise (``required``, a named function, or the ``tgi``
-    parser) the output is held to the JSON-calls grammar."""
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat request's prompt, and the tools it offers the output."""
+
+    prompt: str
+    offered: list[Tool]
+    text_allowed: bool
+    native: bool
+    """Whether the chat template shows the tools and the model calls them in its own format."""
+    parallel: bool
+
+
+def render_chat(validator: Validator, request: ChatRequest, chat_format: ChatFormat) -> RenderedChat:
+    """The prompt the chat template makes of ``request``, its tools shown as ``chat_format`` says."""
     parallel = request.parallel_tool_calls is not False  # OpenAI's and vLLM's default
     try:
         messages = parse_messages(request.messages)
@@ -145,7 +154,22 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: C
         variables = template_kwargs(validator.tokenizer, request.chat_template_kwargs)
         prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables,
                                request.tool_prompt, native=native)
-        grammar = tool_grammar(validator.grammars, offered, text_allowed, parallel) if offered and not native else None
+    except ChatError as error:
+        raise ValidationError(str(error)) from None
+    return RenderedChat(prompt, offered, text_allowed, native, parallel)
+
+
+def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: Caller,
+               chat_format: ChatFormat) -> OpenAIJob:
+    """A chat completion request, rendered and tokenized (runs on a validation worker). Tools offered
+    with ``tool_choice`` ``auto`` are shown by the chat template and read by the server's tool parser
+    when it reads the model's own format; otherwise (``required``, a named function, or the ``tgi``
+    parser) the output is held to the JSON-calls grammar."""
+    chat = render_chat(validator, request, chat_format)
+    prompt, offered, parallel = chat.prompt, chat.offered, chat.parallel
+    try:
+        grammar = (tool_grammar(validator.grammars, offered, chat.text_allowed, parallel)
+                   if offered and not chat.native else None)
     except ChatError as error:
         raise ValidationError(str(error)) from None
     extra, adapter = routing(validator, request, caller)
@@ -169,7 +193,7 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: C
     generation = validator.generate(prompt, params, request.stream, add_special_tokens=False, max_top_n=max_top_n,
                                     grammar=grammar, tenant=caller.tenant)
     reasoning = chat_format.reasoning
-    output = OutputFormat(tuple(offered), (chat_format.tool_parser if native else chat_format.forced) if offered
+    output = OutputFormat(tuple(offered), (chat_format.tool_parser if chat.native else chat_format.forced) if offered
                           else None, reasoning, reasoning is not None and reasoning.starts_reasoning(prompt), parallel)
     return OpenAIJob([generation], n, request.stream, include_usage(request), bool(request.logprobs),
                      adapter or model, output=output)

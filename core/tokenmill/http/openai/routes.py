@@ -10,8 +10,7 @@ from typing import Any
 import falcon.asgi
 
 from tokenmill.engine.sequence import ErrorEvent
-from tokenmill.http.body import read_json
-from tokenmill.http.context import HANDED_SLOT, caller_of, record_of
+from tokenmill.http.context import caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
 from tokenmill.http.openai.convert import OpenAIJob, parse_chat, parse_completion
 from tokenmill.http.openai.schemas import ChatRequest, CompletionRequest
@@ -32,22 +31,15 @@ class OpenAIRoute:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         generation, state = self.generation, self.state
-        state.ready_engine()
-        slot = state.take_slot(req.context.pop(HANDED_SLOT, None))
-        try:
-            body = await read_json(req, state.config)
-            model, caller, chat_format = served_model(state), caller_of(req), state.chat_format
+        model, caller, chat_format = served_model(state), caller_of(req), state.chat_format
 
-            def checked(validator: Validator) -> OpenAIJob:  # on a validation worker
-                if self.chat:
-                    assert chat_format is not None  # chosen before the engine is ready
-                    return parse_chat(validator, check_body(ChatRequest, body), model, caller, chat_format)
-                return parse_completion(validator, check_body(CompletionRequest, body), model, caller)
+        def checked(body: object, validator: Validator) -> OpenAIJob:  # on a validation worker
+            if self.chat:
+                assert chat_format is not None  # chosen before the engine is ready
+                return parse_chat(validator, check_body(ChatRequest, body), model, caller, chat_format)
+            return parse_completion(validator, check_body(CompletionRequest, body), model, caller)
 
-            job = await generation.validate(checked)
-        except BaseException:
-            slot.release()
-            raise
+        slot, job = await generation.admitted(req, checked)
         if job.stream:
             run = await generation.open_stream(req, resp, slot, job.sequences(), job.requests)
             resp.sse = sse_events(self.chunks(run, OpenAIStream(job, self.chat)))

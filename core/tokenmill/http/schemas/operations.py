@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tokenmill.http.anthropic import schemas as anthropic
 from tokenmill.http.openai import schemas as oai
 from tokenmill.http.schemas import ops
 from tokenmill.http.tgi import schemas as tgi
@@ -25,9 +26,11 @@ SERVING_ERRORS = (503,)
 """Every route that needs the model answers 503 until it is loaded (and while the server drains)."""
 
 TGI, OPENAI, PLATFORMS, OPERATIONS, DOCS = "Text Generation Inference", "OpenAI", "Platforms", "Operations", "Docs"
+ANTHROPIC = "Anthropic"
 TAGS = {
     TGI: "TGI's routes, with its request and response shapes",
     OPENAI: "OpenAI's routes, as the openai client speaks them (plus vLLM's extra fields)",
+    ANTHROPIC: "Anthropic's Messages API, as the anthropic client speaks it (served on the chat path, as vLLM does)",
     PLATFORMS: "What SageMaker and vLLM's clients call: /ping, /invocations, /detokenize, /tokenizer_info, /version",
     OPERATIONS: "The state of the server and its LoRA adapters",
     DOCS: "This document and its viewer",
@@ -98,6 +101,11 @@ OPERATIONS_TABLE: tuple[Operation, ...] = (
               "with `stream`, ending with `data: [DONE]`)", OPENAI, oai.CompletionRequest, oai.Completion,
               oai.CompletionChunk, errors=GENERATION_ERRORS),
     Operation("GET", "/v1/models", "The base model and the LoRA adapters served", OPENAI, ok=oai.ModelList),
+    Operation("POST", "/v1/messages", "A message (whole, or streamed with `stream` as Anthropic's named events)",
+              ANTHROPIC, anthropic.MessagesRequest, anthropic.AnthropicResponse, anthropic.StreamEvent,
+              errors=GENERATION_ERRORS),
+    Operation("POST", "/v1/messages/count_tokens", "The prompt tokens a /v1/messages request would take", ANTHROPIC,
+              anthropic.MessagesInput, anthropic.TokenCount, errors=(413, 422, 503)),
     Operation("GET", "/ping", "SageMaker's health check (as /health)", PLATFORMS,
               errors=SERVING_ERRORS),
     Operation("POST", "/invocations", "SageMaker's inference route: a chat request (`messages`), a completion "
@@ -135,7 +143,7 @@ OPERATIONS_BY_KEY = {operation.key: operation for operation in OPERATIONS_TABLE}
 def models_by_name() -> dict[str, type[BaseModel]]:
     """Every shape of :mod:`~tokenmill.http.schemas`' modules by its component name (its class name)."""
     found: dict[str, type[BaseModel]] = {}
-    for module in (tgi, oai, ops):
+    for module in (tgi, oai, anthropic, ops):
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__:
                 if value.__name__ in found:

@@ -118,7 +118,7 @@ class PrefixCacheReset(ResponseModel):
     dropped_blocks: int = Field(ge=0)
 
 
-class TokenizePromptRequest(RequestModel):
+class VllmTokenizePrompt(RequestModel):
     """vLLM's ``/tokenize`` with a prompt."""
 
     model: String | None = None
@@ -127,7 +127,7 @@ class TokenizePromptRequest(RequestModel):
     return_token_strs: Boolean = False
 
 
-class TokenizeChatRequest(RequestModel):
+class VllmTokenizeChat(RequestModel):
     """vLLM's ``/tokenize`` with messages, rendered by the chat template as a chat request would be."""
 
     model: String | None = None
@@ -140,7 +140,7 @@ class TokenizeChatRequest(RequestModel):
     return_token_strs: Boolean = False
 
 
-class TokenizeResponse(ResponseModel):
+class VllmTokenizeResponse(ResponseModel):
     """vLLM's ``/tokenize`` answer."""
 
     count: int = Field(ge=0)
