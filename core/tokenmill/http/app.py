@@ -36,6 +36,8 @@ from tokenmill.http.ops import (
     ResetPrefixCacheRoute,
 )
 from tokenmill.http.platform import InvocationsRoute, RootRoute, VersionRoute
+from tokenmill.http.responses.routes import ResponsesRoute, StoredResponseRoute
+from tokenmill.http.responses.store import ResponseStore
 from tokenmill.http.state import ServerState
 from tokenmill.http.tgi.routes import GenerateRoute
 from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute, TokenizeRoute
@@ -153,6 +155,9 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/chat/completions", ChatCompletionsRoute(generation))
     app.add_route("/v1/completions", CompletionsRoute(generation))
     app.add_route("/v1/models", ModelsRoute(state))
+    responses = ResponseStore()
+    app.add_route("/v1/responses", ResponsesRoute(generation, responses))
+    app.add_route("/v1/responses/{response_id}", StoredResponseRoute(responses))
     app.add_route("/v1/messages", MessagesRoute(generation))
     app.add_route("/v1/messages/count_tokens", CountTokensRoute(state))
     app.add_route("/ping", health)  # SageMaker's name for the health check

@@ -24,6 +24,7 @@ GENERATION_ROUTES = {
     "/v1/completions": "completions",
     "/invocations": "invocations",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 """Paths whose POSTs are generation requests: counted, timed, logged and traced."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenmill.http.anthropic.schemas import AnthropicMessage, ContentBlock, MessagesInput, MessagesRequest
 from tokenmill.http.schemas import ValidationError
+from tokenmill.interfaces.parsers import FunctionTool
 
 SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
                    "ignore_eos", "cache_salt")
@@ -78,8 +79,8 @@ def chat_body(request: MessagesInput) -> dict[str, Any]:
     if request.model is not None:
         body["model"] = request.model
     if request.tools:
-        body["tools"] = [{"type": "function", "function": {"name": tool.name, "description": tool.description or "",
-                                                           "parameters": tool.input_schema}} for tool in request.tools]
+        body["tools"] = [FunctionTool(tool.name, tool.description or "", tool.input_schema).as_openai()
+                         for tool in request.tools]
     choice = request.tool_choice
     if choice is not None:
         if choice.type == "tool" and not choice.name:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from tokenmill.http.anthropic import schemas as anthropic
 from tokenmill.http.openai import schemas as oai
+from tokenmill.http.responses import schemas as responses
 from tokenmill.http.schemas import ops
 from tokenmill.http.tgi import schemas as tgi
 
@@ -52,6 +53,7 @@ class Operation:
     """The 200 answer's media type when its body is not JSON (``ok`` None); empty: no body."""
     errors: tuple[int, ...] = ()
     query: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    """Its parameters (OpenAPI parameter objects: in the query or the path)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -101,6 +103,12 @@ OPERATIONS_TABLE: tuple[Operation, ...] = (
               "with `stream`, ending with `data: [DONE]`)", OPENAI, oai.CompletionRequest, oai.Completion,
               oai.CompletionChunk, errors=GENERATION_ERRORS),
     Operation("GET", "/v1/models", "The base model and the LoRA adapters served", OPENAI, ok=oai.ModelList),
+    Operation("POST", "/v1/responses", "A response (OpenAI's Responses API; whole, or streamed as its named "
+              "events; `previous_response_id` continues a stored one)", OPENAI, responses.ResponsesRequest,
+              responses.ResponseObject, responses.ResponseEvent, errors=(404, *GENERATION_ERRORS)),
+    Operation("GET", "/v1/responses/{response_id}", "A stored response", OPENAI, ok=responses.ResponseObject,
+              errors=(404,), query=({"name": "response_id", "in": "path", "required": True,
+                                     "schema": {"type": "string"}},)),
     Operation("POST", "/v1/messages", "A message (whole, or streamed with `stream` as Anthropic's named events)",
               ANTHROPIC, anthropic.MessagesRequest, anthropic.AnthropicResponse, anthropic.StreamEvent,
               errors=GENERATION_ERRORS),
@@ -143,7 +151,7 @@ OPERATIONS_BY_KEY = {operation.key: operation for operation in OPERATIONS_TABLE}
 def models_by_name() -> dict[str, type[BaseModel]]:
     """Every shape of :mod:`~tokenmill.http.schemas`' modules by its component name (its class name)."""
     found: dict[str, type[BaseModel]] = {}
-    for module in (tgi, oai, anthropic, ops):
+    for module in (tgi, oai, responses, anthropic, ops):
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__:
                 if value.__name__ in found:
