@@ -22,14 +22,17 @@ from tokenmill.http.openai.chat import (
     tool_grammar,
     tools_to_offer,
 )
+from tokenmill.http.openai.reading import OutputFormat, OutputReader, read_output
 from tokenmill.http.openai.schemas import ChatRequest, NamedToolChoice
 from tokenmill.http.openai.schemas import Tool as ToolSpec
 from tokenmill.http.openai.shapes import StopHoldback
 from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.model.chat_template import read_chat_template, use_chat_template
 from tokenmill.model.loading import ModelLoadError
-from tokenmill.parsing.json_calls import ToolCallScanner, parse_tool_calls
+from tokenmill.plugin_manager import build_plugin_manager, choose
 from tokenmill.sampling.grammar import GrammarCompiler
+
+TGI_OUTPUT = OutputFormat((), choose(build_plugin_manager(autoload=False), "tool_parser", "tgi"))
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
@@ -89,14 +92,18 @@ def test_the_call_schema_accepts_exactly_the_valid_calls_of_the_offered_tools():
             jsonschema.validate(wrong, schema)
 
 
+def tgi_calls(text: str, final: bool = True) -> list[tuple[str, str]]:
+    """The calls the ``tgi`` parser reads in a grammar-held output."""
+    return [(call.name, call.arguments) for call in read_output(TGI_OUTPUT, text, final).calls]
+
+
 def test_an_output_is_a_call_once_the_call_has_named_its_tool():
-    (call,) = parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    assert call.id.startswith("call_")
-    assert parse_tool_calls("It is sunny.") == []
-    assert parse_tool_calls('{"name": "get_weather", "argu') == []  # cut short by max_tokens before the name
-    (cut,) = parse_tool_calls('{"name": "get_weather", "arguments": {"ci')
-    assert cut.arguments == '{"ci'  # as far as it got, as OpenAI returns a call cut by max_tokens
+    ((name, arguments),) = tgi_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    assert tgi_calls("It is sunny.") == []
+    assert tgi_calls('{"name": "get_wea') == []  # cut short by max_tokens before the name is whole
+    assert tgi_calls('{"name": "get_weather", "argu') == [("get_weather", "")]
+    assert tgi_calls('{"name": "get_weather", "arguments": {"ci') == [("get_weather", '{"ci')]  # as far as it got
 
 
 PARALLEL = ('{"name": "get_weather", "arguments": {"city": "Pa\\"ris}{", "n": [1, {"a": null}]}}\n'
@@ -104,33 +111,32 @@ PARALLEL = ('{"name": "get_weather", "arguments": {"city": "Pa\\"ris}{", "n": [1
             '{"name": "echo", "arguments": "a \\"}\\" b"}')
 
 
-def test_the_scanner_reads_parallel_calls_with_the_arguments_as_written_whatever_the_pieces():
+def test_parallel_calls_stream_with_the_arguments_as_written_whatever_the_pieces():
     expected = [("get_weather", '{"city": "Pa\\"ris}{", "n": [1, {"a": null}]}'), ("get_time", "{}"),
                 ("ping", "42"), ("echo", '"a \\"}\\" b"')]
-    assert [(c.name, c.arguments) for c in parse_tool_calls(PARALLEL)] == expected
+    assert tgi_calls(PARALLEL) == expected
     rng = random.Random(0)
     for _ in range(50):
-        scanner, names, arguments = ToolCallScanner(), {}, {}
+        reader, names, arguments = OutputReader(TGI_OUTPUT), {}, {}
         cuts = sorted(rng.sample(range(1, len(PARALLEL)), 12))
-        for start, end in zip([0, *cuts], [*cuts, len(PARALLEL)]):
-            for delta in scanner.feed(PARALLEL[start:end]):
-                if delta.name is not None:
-                    assert delta.index == len(names) and delta.arguments == ""  # a call opens once, in order
-                    names[delta.index] = delta.name
-                else:
-                    arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
-        assert [(names[i], arguments[i]) for i in sorted(names)] == expected
-        assert scanner.finished and len({c.id for c in scanner.calls}) == 4
+        pieces = [PARALLEL[start:end] for start, end in zip([0, *cuts], [*cuts, len(PARALLEL)])]
+        for number, piece in enumerate(pieces):
+            for delta in reader.push(piece, final=number == len(pieces) - 1):
+                for call in delta["tool_calls"]:
+                    if "id" in call:
+                        assert call["index"] == len(names) and call["function"]["arguments"] == ""  # opens once
+                        names[call["index"]] = call["function"]["name"]
+                    else:
+                        arguments[call["index"]] = arguments.get(call["index"], "") + call["function"]["arguments"]
+        assert [(names[i], arguments.get(i, "")) for i in sorted(names)] == expected
+        assert reader.sent.finished_calls and len(set(reader.ids)) == 4
 
 
-def test_the_scanner_says_when_the_calls_are_not_whole():
-    scanner = ToolCallScanner()
-    scanner.feed('{"name": "get_time", "arguments": {}}\n{"na')
-    assert [c.name for c in scanner.calls] == ["get_time"] and not scanner.finished
-    scanner.feed('me": "get_time", "arguments": {"zone": "UTC"}')
-    assert not scanner.finished and not scanner.calls[1].complete
-    scanner.feed("}")
-    assert scanner.finished
+def test_the_calls_say_when_they_are_not_whole():
+    cut = read_output(TGI_OUTPUT, '{"name": "get_time", "arguments": {}}\n{"name": "get_time", "arguments": '
+                                  '{"zone": "UTC"}', final=True)
+    assert len(cut.calls) == 2 and not cut.calls[1].complete and not cut.finished_calls
+    assert read_output(TGI_OUTPUT, '{"name": "get_time", "arguments": {"zone": "UTC"}}', final=True).finished_calls
 
 
 def test_parallel_tool_calls_decide_whether_the_grammar_allows_more_than_one(tiny_model):

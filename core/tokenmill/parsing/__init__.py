@@ -1,2 +1,2 @@
-"""Reading formats out of model output text: JSON written so far, markers split across tokens, and
-the calls of TGI's grammar-held tool format. Shared by the tool-call and reasoning parser plugins."""
+"""Reading formats out of model output text as it grows: JSON written so far and markers split
+across tokens. Shared by the tool-call and reasoning parser plugins."""

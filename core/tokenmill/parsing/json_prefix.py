@@ -144,7 +144,8 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 def json_call(found: ObjectPrefix) -> ParsedCall | None:
     """The call a ``{"name": ..., "arguments": ...}`` object holds, once its name is whole. Arguments
-    written as a JSON string holding JSON are given decoded, once whole."""
+    written as a JSON string holding a JSON object or list are given decoded, once whole; any other
+    value as the model wrote it."""
     name = found.decoded("name")
     if not isinstance(name, str):
         return None
@@ -153,7 +154,15 @@ def json_call(found: ObjectPrefix) -> ParsedCall | None:
     if key is None:
         return ParsedCall(name, "{}" if complete else "", complete)
     raw = found.values[key]
-    if raw.startswith('"'):
+    if raw.startswith('"'):  # a string: whole before it is given, as it may hold the arguments' JSON
         inner = found.decoded(key)
-        raw = inner if isinstance(inner, str) else ""
+        raw = (inner if holds_json(inner) else raw) if isinstance(inner, str) else ""
     return ParsedCall(name, raw, complete)
+
+
+def holds_json(text: str) -> bool:
+    """Whether ``text`` is a JSON object or list (arguments a model wrote as a JSON string)."""
+    try:
+        return isinstance(json.loads(text), (dict, list))
+    except ValueError:
+        return False

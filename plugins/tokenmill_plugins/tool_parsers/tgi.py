@@ -1,7 +1,8 @@
 """The ``tgi`` tool-call parser: TGI's design, where the server shows the tools in a system message
 and holds the output to a grammar of JSON calls, ``{"name": ..., "arguments": ...}`` one per line
 (:func:`tokenmill.http.openai.chat.tool_grammar`). It is the default for a chat template that knows no
-tool format, and the format every parser's ``tool_choice: "required"`` or named function uses."""
+tool format, and the format every parser's ``tool_choice: "required"`` or named function uses. An
+output that does not open with ``{`` is the grammar's plain answer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 
 import tokenmill
 from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ParsedOutput, ToolParser
-from tokenmill.parsing.json_calls import scan_tool_calls
+from tokenmill.parsing.json_prefix import json_call, scan_object, skip_space
 
 
 class TgiParser(ToolParser):
@@ -19,15 +20,24 @@ class TgiParser(ToolParser):
     order = 1000
 
     def parse(self, text: str, tools: Sequence[FunctionTool], final: bool) -> ParsedOutput:
-        visible = text.lstrip()
-        if not visible:
+        at = skip_space(text, 0)
+        if at == len(text):
             return ParsedOutput(text if final else "")
-        if not visible.startswith("{"):  # the grammar's plain answer: text that does not open an object
+        if text[at] != "{":
             return ParsedOutput(text)
-        calls = tuple(ParsedCall(call.name, call.arguments, call.complete) for call in scan_tool_calls(text).calls)
+        calls: list[ParsedCall] = []
+        while at < len(text):
+            found = scan_object(text, at)
+            call = json_call(found) if found is not None else None
+            if call is None or found is None:
+                break
+            calls.append(call)
+            if found.end is None:
+                break
+            at = skip_space(text, found.end)
         if final and not calls:
             return ParsedOutput(text)
-        return ParsedOutput("", calls)
+        return ParsedOutput("", tuple(calls))
 
 
 @tokenmill.hookimpl

@@ -29,10 +29,10 @@ def arguments_object(arguments: str) -> Any:
 
 def stop_reason(result: FinalResult, called: bool, stops: tuple[str, ...]) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
-    if called:
-        return "tool_use", None
     if result.finish_reason == FINISH_LENGTH:
         return "max_tokens", None
+    if called:
+        return "tool_use", None
     if result.finish_reason == STOP_SEQUENCE:
         return "stop_sequence", next((stop for stop in stops if stop in result.generated_text), None)
     return "end_turn", None

@@ -1,12 +1,15 @@
 """Chat prompts and tool calls for the OpenAI routes.
 
-A chat request becomes one prompt through the tokenizer's chat template. Tools are
-shown to the model in a system message that also says how to call them (and through
+A chat request becomes one prompt through the tokenizer's chat template. With a parser of the
+model's own tool format and ``tool_choice`` ``auto``, the template alone shows the tools. Otherwise
+they are shown to the model in a system message that also says how to call them (and through
 the template too when it knows tools), and its output is held to a grammar: a call is a JSON object
 ``{"name": ..., "arguments": {...}}`` valid for one of the offered tools, and with
 ``parallel_tool_calls`` (OpenAI's default) several calls may follow, one per line; with
 ``tool_choice`` ``auto`` the model may instead answer in plain text (text that does
-not start with ``{``). :mod:`tokenmill.http.openai.toolcalls` reads the calls back.
+not start with ``{``). The ``tgi`` tool-call parser reads the calls back
+(:mod:`tokenmill.http.openai.reading`); a parser of the model's own format reads ``auto`` outputs,
+which no grammar holds, when the chat template shows the tools.
 """
 
 from __future__ import annotations

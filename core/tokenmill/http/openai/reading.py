@@ -9,14 +9,19 @@ reads the answer after the reasoning.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ReasoningParser, ToolParser
-from tokenmill.parsing.json_calls import new_call_id
 from tokenmill.plugin_manager import choose, offered
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
 
 FORCED_PARSER = "tgi"
 """The parser of the grammar-held format, which ``tool_choice`` ``required`` and named functions use."""
@@ -120,6 +125,10 @@ class OutputReader:
     ids: list[str] = field(default_factory=list)
 
     def push(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The deltas ``text`` (the output's next piece) adds; all that is left once ``final``. The
+        parsers read the whole output each time: a piece that adds nothing is not read again."""
+        if not text and not final:
+            return []
         self.text += text
         now = read_output(self.output, self.text, final)
         deltas: list[dict[str, Any]] = []

@@ -15,7 +15,8 @@ from tokenmill.http.openai.reading import OutputReader, calls_json, read_output
 
 
 def finish_reason(result: FinalResult, called: bool = False) -> str:
-    if called:
+    """``tool_calls`` when the output is whole calls (and was not cut by ``max_tokens``)."""
+    if called and result.finish_reason != FINISH_LENGTH:
         return "tool_calls"
     return "length" if result.finish_reason == FINISH_LENGTH else "stop"
 
