@@ -63,12 +63,13 @@ PLUGIN = textwrap.dedent('''
         return [follow]
 ''')
 
-CALLING, ANSWERING, THINKING_ANSWER = 1, 2, 3
+CALLING, ANSWERING, THINKING_ANSWER, THINKING_JSON = 1, 2, 3, 4
 SCRIPTS = {
     CALLING: "<think>\nThe user asks about Paris.\n</think>\n\nLet me check.\n<tool_call>\n"
              '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
     ANSWERING: "It is sunny in Paris, 21 degrees.",
     THINKING_ANSWER: "<think>\nSunny, so say so.\n</think>\n\nIt is sunny in Paris.",
+    THINKING_JSON: '<think>\nThe city is Paris {not JSON yet}.\n</think>\n\n{"city": "Paris"}',
 }
 
 

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from scripted_model import ANSWERING, CALLING, SCRIPTS, THINKING_ANSWER, start_scripted_server
+from scripted_model import ANSWERING, CALLING, SCRIPTS, THINKING_ANSWER, THINKING_JSON, start_scripted_server
 
 openai = pytest.importorskip("openai")
 
@@ -142,3 +142,24 @@ def test_responses_and_chunks_keep_the_documented_shapes(server):
     assert events[-1] == "[DONE]"
     for event in events[:-1]:
         ChatCompletionChunk.model_validate_json(event)
+
+
+CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def test_response_format_holds_the_answer_after_the_thinking_not_the_thinking(client):
+    reply = client.chat.completions.create(model="any", messages=QUESTION, temperature=0, max_tokens=120,
+                                           seed=THINKING_JSON, response_format=CITY)
+    message = reply.choices[0].message
+    assert message.reasoning_content == "\nThe city is Paris {not JSON yet}.\n"
+    assert json.loads(message.content) == {"city": "Paris"} and reply.choices[0].finish_reason == "stop"
+
+
+def test_with_thinking_off_the_grammar_holds_the_output_from_its_start(client):
+    reply = client.chat.completions.create(model="any", messages=QUESTION, temperature=0, max_tokens=40,
+                                           response_format=CITY,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert message.content.startswith('{"city": "') and message.reasoning_content is None

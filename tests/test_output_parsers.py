@@ -227,3 +227,26 @@ def test_an_unknown_parser_name_lists_the_choices(pm):
         choose_chat_format(pm, "hermes2", None, Templated(""))
     with pytest.raises(PluginError, match=r"unknown --reasoning-parser 'r1' \(choices: deepseek_r1, granite, qwen3"):
         choose_chat_format(pm, None, "r1", Templated(""))
+
+
+def accepts_whole(grammar, tokenizer, text: str) -> bool:
+    """Whether ``text`` may end the output under ``grammar`` (a GrammarError if it breaks it on the way)."""
+    matcher = grammar.new_matcher()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        matcher.accept(token)
+    return matcher.matcher.is_accepting()
+
+
+def test_a_grammar_after_free_text_holds_only_what_follows_the_end_marker(tokenizer):
+    from tokenmill.sampling.grammar import GrammarCompiler, GrammarError
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    for inner in (compiler.json_schema(schema), compiler.regex("(yes|no)"), compiler.lark('start: "ok"')):
+        after = compiler.after_free_text(inner, "</think>")
+        answer = {"json": '{"a": 1}', "regex": "yes", "lark": "ok"}[inner.kind]
+        assert accepts_whole(after, tokenizer, "Thinking {not an answer} here.\n</think>\n\n" + answer)
+        assert not accepts_whole(after, tokenizer, "Still thinking " + answer), "no answer before the thinking ends"
+        with pytest.raises(GrammarError):
+            accepts_whole(after, tokenizer, "Done.</think>\nsomething else")

@@ -276,7 +276,9 @@ def tokenmill_reasoning_parsers() -> list[ReasoningParser]:
     `starts_reasoning(prompt)` says whether the output begins inside the reasoning (a template that
     opens it in the prompt); `split(text, reasoning_first, final)` returns a `ReasonedOutput(reasoning,
     content, ended)` for the output so far, which, like a tool parser's result, must only grow as the
-    text grows. Tool calls are read from the content only.
+    text grows. Tool calls are read from the content only. When `thinks(prompt)` is true, a grammar
+    the request asks for (`response_format`, a required tool call) holds only the answer: free text
+    up to the parser's `end` (`</think>`) comes first.
     """
 
 

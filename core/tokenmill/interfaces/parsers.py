@@ -91,7 +91,8 @@ class ReasoningParser(Implementation):
     """Splits a reasoning model's output into its thinking and its answer.
 
     ``starts_reasoning(prompt)`` says whether the output begins inside the reasoning section (a
-    template that opens ``<think>`` in the prompt); ``split(text, reasoning_first, final)`` returns a
+    template that opens ``<think>`` in the prompt), ``thinks(prompt)`` whether it will reason at all
+    (a model that opens ``<think>`` itself); ``split(text, reasoning_first, final)`` returns a
     :class:`ReasonedOutput` that only grows as ``text`` grows. ``end`` is the text that ends the
     reasoning section, which a grammar for the answer waits for.
     """
@@ -101,6 +102,11 @@ class ReasoningParser(Implementation):
 
     def starts_reasoning(self, prompt: str) -> bool:
         return False
+
+    def thinks(self, prompt: str) -> bool:
+        """Whether the output will reason before it answers: then a grammar for the answer (a
+        ``response_format``, a required tool call) waits for ``end``."""
+        return self.starts_reasoning(prompt)
 
     def split(self, text: str, reasoning_first: bool, final: bool) -> ReasonedOutput:
         raise NotImplementedError

@@ -18,6 +18,9 @@ from typing import Any
 import numpy
 import torch
 
+LARK_REGEX_SPECIALS = frozenset("\\.+*?()|[]{}^$#&-~/")
+"""What a literal needs escaped inside a ``/.../`` regex of llguidance's Lark."""
+
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """Compact JSON with the separators models are used to: free whitespace lets a small model pad forever."""
 
@@ -87,6 +90,21 @@ class GrammarCompiler:
         """A grammar in llguidance's Lark dialect (``%json {...}`` embeds a JSON schema)."""
         self._require_enabled()
         return self._checked("lark", source)
+
+    def after_free_text(self, grammar: Grammar, end: str) -> Grammar:
+        """``grammar`` after free text that ends at the first ``end`` (a reasoning section, such as
+        everything up to ``</think>``), blank space allowed between: the model thinks freely, then
+        its answer follows ``grammar``."""
+        self._require_enabled()
+        try:
+            inner = [dict(part) for part in json.loads(grammar.source)["grammars"]]
+        except (ValueError, KeyError, TypeError):  # a Lark grammar is its text
+            inner = [{"lark_grammar": grammar.source}]
+        inner[0]["name"] = "answer"
+        free = "(?s:.*)" + "".join("\\" + char if char in LARK_REGEX_SPECIALS else char for char in end)
+        outer = f"start: free_text SPACE? @answer\nfree_text[lazy]: /{free}/\nSPACE: /[ \\t\\r\\n]+/\n"
+        return self._checked(grammar.kind, json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": outer},
+                                                                     *inner]}))
 
     def _checked(self, kind: str, source: str) -> Grammar:
         llguidance = _llguidance()

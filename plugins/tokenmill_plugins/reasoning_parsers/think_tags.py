@@ -30,6 +30,10 @@ class ThinkTagParser(ReasoningParser):
         closed_empty = prompt.rstrip().endswith(END)  # thinking switched off by the template
         return self.always_reasoning and not closed_empty
 
+    def thinks(self, prompt: str) -> bool:
+        """Unless the template switched thinking off (an empty, closed section ends the prompt)."""
+        return left_open(prompt) or not prompt.rstrip().endswith(END)
+
     def split(self, text: str, reasoning_first: bool, final: bool) -> ReasonedOutput:
         visible = text.lstrip()
         if not final and visible and START.startswith(visible) and visible != START:

@@ -190,9 +190,11 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: C
     n = choice_count(request.n, validator.config.max_client_batch_size)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = to_generate(request, max_tokens, **extra)
+    reasoning = chat_format.reasoning
+    if grammar is not None and reasoning is not None and reasoning.thinks(prompt):
+        grammar = validator.grammars.after_free_text(grammar, reasoning.end)  # the answer, not the thinking
     generation = validator.generate(prompt, params, request.stream, add_special_tokens=False, max_top_n=max_top_n,
                                     grammar=grammar, tenant=caller.tenant)
-    reasoning = chat_format.reasoning
     output = OutputFormat(tuple(offered), (chat_format.tool_parser if chat.native else chat_format.forced) if offered
                           else None, reasoning, reasoning is not None and reasoning.starts_reasoning(prompt), parallel)
     return OpenAIJob([generation], n, request.stream, include_usage(request), bool(request.logprobs),

@@ -209,7 +209,6 @@ class ResponseStream:
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, arguments=item["arguments"]))
-        item["status"] = "completed" if "status" in item else None
-        if item["status"] is None:
-            del item["status"]
+        if "status" in item:  # messages and calls have one, reasoning items not
+            item["status"] = "completed"
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
