@@ -93,7 +93,8 @@ def test_text_format_json_schema_holds_the_output_to_the_schema(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
               "additionalProperties": False}
     response = client.responses.create(model="any", input=QUESTION, temperature=0, max_output_tokens=60,
-                                       text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+                                       text={"format": {"type": "json_schema", "name": "place", "schema": schema}},
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert response.status == "completed", "at most 12 characters of city leave room to close the object"
     assert set(json.loads(response.output_text)) == {"city"}
 

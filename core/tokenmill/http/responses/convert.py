@@ -84,7 +84,8 @@ def chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
         body["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                         "function": {"name": choice.name}}
     for name, field in (("parallel_tool_calls", "parallel_tool_calls"), ("max_tokens", "max_output_tokens"),
-                        ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
+                        ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
+                        ("chat_template_kwargs", "chat_template_kwargs")):
         if getattr(request, field) is not None:
             body[name] = getattr(request, field)
     if (form := response_format(request.text)) is not None:

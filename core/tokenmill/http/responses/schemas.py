@@ -60,6 +60,8 @@ class ResponsesRequest(RequestModel):
     metadata: Object | None = None
     user: String | None = None
     seed: integer() | None = Field(None, description="Not OpenAI's: a sampling seed, as vLLM takes it")
+    chat_template_kwargs: Object | None = Field(None, description="Not OpenAI's: extra chat template variables "
+                                                                  '(vLLM\'s), such as {"enable_thinking": false}')
 
 
 class ResponseUsage(ResponseModel):
