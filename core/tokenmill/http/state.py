@@ -106,9 +106,9 @@ class ServerState:
         self.prefix_caching_off: str | None = None
         """Once loaded: why prompts' computed prefixes are not reused, or None when they are."""
         self.compiler: Compiler | None = None
+        """Once loaded: which forward the steps take (eager, compiling in the background, compiled)."""
         self.chat_format: ChatFormat | None = None
         """Once loaded: the parsers that read chat outputs' tool calls and reasoning."""
-        """Once loaded: which forward the steps take (eager, compiling in the background, compiled)."""
         self.vocab_size = 0
         self.in_flight = 0
         self.draining = False
