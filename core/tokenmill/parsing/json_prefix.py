@@ -166,3 +166,23 @@ def holds_json(text: str) -> bool:
         return isinstance(json.loads(text), (dict, list))
     except ValueError:
         return False
+
+
+def json_call_run(text: str, at: int, separator: str = "", separator_required: bool = False) -> list[ParsedCall]:
+    """The calls of JSON objects written one after another from ``at``, blank space between them and
+    ``separator`` where given (``separator_required``: a missing one ends the run), up to the first
+    object that is not a call or not whole yet."""
+    calls: list[ParsedCall] = []
+    while True:
+        found = scan_object(text, at)
+        call = json_call(found) if found is not None else None
+        if call is None or found is None:
+            return calls
+        calls.append(call)
+        if found.end is None:
+            return calls
+        at = skip_space(text, found.end)
+        if separator and text.startswith(separator, at):
+            at += len(separator)
+        elif separator_required:
+            return calls

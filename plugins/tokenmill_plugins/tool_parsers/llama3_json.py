@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import tokenmill
-from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ParsedOutput, ToolParser
-from tokenmill.parsing.json_prefix import json_call, scan_object, skip_space
+from tokenmill.interfaces.parsers import FunctionTool, ParsedOutput, ToolParser
+from tokenmill.parsing.json_prefix import json_call_run, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -31,19 +31,7 @@ class Llama3JsonParser(ToolParser):
             start = skip_space(text, start + len(PYTHON_TAG))
         elif not rest.startswith("{"):
             return ParsedOutput(text)
-        calls: list[ParsedCall] = []
-        at = start
-        while at < len(text):
-            found = scan_object(text, at)
-            call = json_call(found) if found is not None else None
-            if call is None:
-                break
-            calls.append(call)
-            if found is None or found.end is None:
-                break
-            at = skip_space(text, found.end)
-            if at < len(text) and text[at] == ";":
-                at = skip_space(text, at + 1)
+        calls = json_call_run(text, start, ";")
         if final and not calls:
             return ParsedOutput(text)
         return ParsedOutput("", tuple(calls))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import tokenmill
 from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ParsedOutput, ToolParser
-from tokenmill.parsing.json_prefix import json_call, scan_object, skip_space, value_end
+from tokenmill.parsing.json_prefix import json_call_run, skip_space, value_end
 from tokenmill.parsing.markers import lead
 
 MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -31,29 +31,12 @@ class MistralParser(ToolParser):
         if first >= 0:
             body = skip_space(text, first + len(MARK))
             if body < len(text) and text[body] == "[":
-                calls = list_calls(text, body + 1)
+                calls = json_call_run(text, body + 1, ",", separator_required=True)
             else:
                 calls = named_calls(text, first)
         if final and not calls:
             return ParsedOutput(text)
         return ParsedOutput(lead(text, first, (MARK,), final), tuple(calls))
-
-
-def list_calls(text: str, at: int) -> list[ParsedCall]:
-    """The calls of a JSON list, its ``[`` just before ``at``."""
-    calls = []
-    while True:
-        found = scan_object(text, at)
-        call = json_call(found) if found is not None else None
-        if call is None or found is None:
-            return calls
-        calls.append(call)
-        if found.end is None:
-            return calls
-        at = skip_space(text, found.end)
-        if at >= len(text) or text[at] != ",":
-            return calls
-        at += 1
 
 
 def named_calls(text: str, at: int) -> list[ParsedCall]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import tokenmill
-from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ParsedOutput, ToolParser
-from tokenmill.parsing.json_prefix import json_call, scan_object, skip_space
+from tokenmill.interfaces.parsers import FunctionTool, ParsedOutput, ToolParser
+from tokenmill.parsing.json_prefix import json_call_run, skip_space
 
 
 class TgiParser(ToolParser):
@@ -25,16 +25,7 @@ class TgiParser(ToolParser):
             return ParsedOutput(text if final else "")
         if text[at] != "{":
             return ParsedOutput(text)
-        calls: list[ParsedCall] = []
-        while at < len(text):
-            found = scan_object(text, at)
-            call = json_call(found) if found is not None else None
-            if call is None or found is None:
-                break
-            calls.append(call)
-            if found.end is None:
-                break
-            at = skip_space(text, found.end)
+        calls = json_call_run(text, at)
         if final and not calls:
             return ParsedOutput(text)
         return ParsedOutput("", tuple(calls))

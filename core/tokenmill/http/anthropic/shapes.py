@@ -9,8 +9,8 @@ from typing import Any
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, TokenEvent
 from tokenmill.http.openai.convert import OpenAIJob
-from tokenmill.http.openai.reading import OutputReader, ReadOutput, read_output
-from tokenmill.http.openai.shapes import StopHoldback, output_text
+from tokenmill.http.openai.reading import OutputReader
+from tokenmill.http.openai.shapes import StopHoldback, final_output
 
 STOP_SEQUENCE = "stop_sequence"
 
@@ -46,8 +46,7 @@ def usage(job: OpenAIJob, output_tokens: int, result: FinalResult | None) -> dic
 def message_json(job: OpenAIJob, result: FinalResult) -> dict[str, Any]:
     """A whole ``message`` response."""
     request = job.requests[0]
-    text = output_text(result, job, request.stop)
-    read = read_output(job.output, text, final=True) if job.output.reads else ReadOutput(content=text)
+    _, read = final_output(result, job, request.stop)
     content: list[dict[str, Any]] = []
     if read.reasoning:
         content.append({"type": "thinking", "thinking": read.reasoning, "signature": ""})

@@ -11,7 +11,7 @@ import falcon.asgi
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, GenerationRequest, TokenEvent, TokenInfo
 from tokenmill.http.openai.convert import OpenAIJob
-from tokenmill.http.openai.reading import OutputReader, calls_json, read_output
+from tokenmill.http.openai.reading import OutputReader, ReadOutput, calls_json, read_output
 
 
 def finish_reason(result: FinalResult, called: bool = False) -> str:
@@ -50,14 +50,18 @@ def output_text(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> 
     return without_stop("".join(t.text for t in result.tokens if not t.special or t.text in markers), stops)
 
 
-def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+def final_output(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> tuple[str, ReadOutput]:
+    """A whole output's text and what the request's parsers read in it (all content when none reads)."""
+    text = output_text(result, job, stops)
+    return text, read_output(job.output, text, final=True) if job.output.reads else ReadOutput(content=text)
+
+
+def chat_message(result: FinalResult, job: OpenAIJob, read: ReadOutput) -> tuple[dict[str, Any], str]:
     """The assistant's message and its finish reason: ``tool_calls`` when the output is whole calls. A
     call cut short (by ``max_tokens``) is still returned, its arguments as far as they got. With a
     reasoning parser the thinking is ``reasoning_content`` (vLLM's field) and ``reasoning``."""
-    text = output_text(result, job, stops)
     if not job.output.reads:
-        return {"role": "assistant", "content": text}, finish_reason(result)
-    read = read_output(job.output, text, final=True)
+        return {"role": "assistant", "content": read.content}, finish_reason(result)
     message: dict[str, Any] = {"role": "assistant",
                                "content": None if read.calls and not read.content.strip() else read.content}
     if job.output.reasoning is not None:
@@ -67,15 +71,11 @@ def chat_message(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) ->
     return message, finish_reason(result, read.finished_calls)
 
 
-def reasoning_tokens(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]) -> int:
+def reasoning_tokens(result: FinalResult, text: str, read: ReadOutput) -> int:
     """How many output tokens the reasoning took: those before the answer's text begins."""
-    if job.output.reasoning is None:
-        return 0
-    text = output_text(result, job, stops)
-    read = read_output(job.output, text, final=True)
-    answer_starts = len(text) - len(read.content) if read.content or read.calls else len(text)
     if not read.reasoning:
         return 0
+    answer_starts = len(text) - len(read.content) if read.content or read.calls else len(text)
     count, position = 0, 0
     for token in result.tokens:
         if position >= answer_starts:
@@ -87,9 +87,10 @@ def reasoning_tokens(result: FinalResult, job: OpenAIJob, stops: tuple[str, ...]
 
 def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str, Any]:
     request = job.requests[0]
+    outputs = [final_output(result, job, request.stop) for result in results]
     choices = []
-    for index, result in enumerate(results):
-        message, reason = chat_message(result, job, request.stop)
+    for index, (result, (_, read)) in enumerate(zip(results, outputs)):
+        message, reason = chat_message(result, job, read)
         logprobs = None
         if job.logprobs:
             logprobs = {"content": [chat_logprob(t, top) for t, top in
@@ -100,8 +101,8 @@ def chat_completion_json(job: OpenAIJob, results: list[FinalResult]) -> dict[str
     completion_tokens = sum(r.generated_tokens for r in results)
     usage = usage_json(len(request.input_ids), completion_tokens, job.cached_tokens(results))
     if job.output.reasoning is not None:
-        usage["completion_tokens_details"] = {
-            "reasoning_tokens": sum(reasoning_tokens(result, job, request.stop) for result in results)}
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+            reasoning_tokens(result, text, read) for result, (text, read) in zip(results, outputs))}
     return {**job.common("chat.completion"), "choices": choices, "usage": usage}
 
 

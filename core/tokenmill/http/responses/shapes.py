@@ -11,8 +11,8 @@ from typing import Any
 
 from tokenmill.engine.sequence import FINISH_LENGTH, FinalResult, TokenEvent
 from tokenmill.http.openai.convert import OpenAIJob
-from tokenmill.http.openai.reading import OutputReader, ReadOutput, read_output
-from tokenmill.http.openai.shapes import StopHoldback, output_text, reasoning_tokens
+from tokenmill.http.openai.reading import OutputReader, ReadOutput
+from tokenmill.http.openai.shapes import StopHoldback, final_output, reasoning_tokens
 from tokenmill.http.responses.schemas import ResponsesRequest
 
 
@@ -48,10 +48,7 @@ def call_item(rjob: ResponsesJob, index: int, name: str, arguments: str, status:
             "name": name, "arguments": arguments, "status": status}
 
 
-def output_items(rjob: ResponsesJob, result: FinalResult) -> tuple[list[dict[str, Any]], ReadOutput]:
-    job = rjob.job
-    text = output_text(result, job, job.requests[0].stop)
-    read = read_output(job.output, text, final=True) if job.output.reads else ReadOutput(content=text)
+def output_items(rjob: ResponsesJob, read: ReadOutput) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if read.reasoning:
         items.append(reasoning_item(rjob, len(items), read.reasoning))
@@ -59,7 +56,7 @@ def output_items(rjob: ResponsesJob, result: FinalResult) -> tuple[list[dict[str
         items.append(message_item(rjob, len(items), read.content))
     for call in read.calls:
         items.append(call_item(rjob, len(items), call.name, call.arguments))
-    return items, read
+    return items
 
 
 def response_json(rjob: ResponsesJob, result: FinalResult | None, status: str = "completed") -> dict[str, Any]:
@@ -69,14 +66,15 @@ def response_json(rjob: ResponsesJob, result: FinalResult | None, status: str = 
     usage = None
     incomplete = None
     if result is not None:
-        items, _ = output_items(rjob, result)
+        text, read = final_output(result, job, job.requests[0].stop)
+        items = output_items(rjob, read)
         if result.finish_reason == FINISH_LENGTH:
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         prompt = len(job.requests[0].input_ids)
         usage = {"input_tokens": prompt, "output_tokens": result.generated_tokens,
                  "total_tokens": prompt + result.generated_tokens,
                  "input_tokens_details": {"cached_tokens": result.cached_tokens},
-                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens(result, job, job.requests[0].stop)}}
+                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens(result, text, read)}}
     return {"id": rjob.id, "object": "response", "created_at": rjob.created_at, "status": status, "model": job.model,
             "output": items, "usage": usage, "error": None, "incomplete_details": incomplete,
             "instructions": request.instructions, "metadata": request.metadata or {},
