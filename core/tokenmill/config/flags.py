@@ -47,6 +47,11 @@ _HELP = {
     "sharded": ("true: shard over --num-shard, else every visible GPU; false: one shard (TGI's flag; default: "
                 "unset, as many shards as --num-shard says)"),
     "disable_grammar_support": "refuse constrained generation (grammar, response_format, tools) with a 422",
+    "task": ("generate (text), embed (/v1/embeddings, /embed; /score and /rerank by cosine) or score (a cross-encoder, "
+             "*ForSequenceClassification: /score, /rerank, /classify); vLLM's embedding and classify are accepted "
+             "as names (default: generate)"),
+    "runner": ("vLLM's flag: pooling serves embed or score, whichever the checkpoint's architecture is (default: "
+               "generate)"),
     "tool_call_parser": ("how chat outputs' tool calls are read: hermes, llama3_json, mistral, qwen3_xml, qwen3_coder, "
                          "pythonic (the model's own format, its chat template showing the tools) or tgi (TGI's: the "
                          "tools in a system message, the output held to JSON calls by a grammar); default: the format "
@@ -66,7 +71,8 @@ _HELP = {
     "max_best_of": "largest best_of a request may ask for",
     "max_stop_sequences": "most stop sequences per request",
     "max_top_n_tokens": "largest top_n_tokens per request",
-    "max_client_batch_size": "OpenAI routes: most choices (`n`, times the prompts of /v1/completions) in one request",
+    "max_client_batch_size": ("most choices in one request (`n`, times the prompts of /v1/completions; default 4), or "
+                              "for --task embed and score, most inputs (texts, documents; default 32, TEI's)"),
     "max_input_tokens": "most prompt tokens per request (default: max-total-tokens - 1)",
     "max_input_length": "legacy name of --max-input-tokens (default: unset; given with it, the two must agree)",
     "max_total_tokens": "most prompt + generated tokens per request (default: min(model context, 4096))",

@@ -24,6 +24,15 @@ def split_keys(text: str) -> tuple[str, ...]:
     return tuple(key.strip() for key in text.split(",") if key.strip())
 
 
+TASKS = ("generate", "embed", "score")
+TASK_ALIASES = {"embedding": "embed", "embeddings": "embed", "classify": "score", "rerank": "score"}
+"""vLLM's and TEI's other names for the tasks."""
+CLIENT_BATCH_SIZES = {"generate": 4}
+"""``--max-client-batch-size`` unless given: TGI's 4 choices for generation, TEI's 32 inputs for embed and score."""
+POOLING = "pooling"
+"""vLLM's ``--runner pooling``: embed or score, whichever the checkpoint's architecture says (settled at load)."""
+
+
 class ConfigError(Exception):
     """A contradictory or invalid setting; the message is one line for the operator."""
 
@@ -51,7 +60,7 @@ class Config:
     max_best_of: int = 2
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
-    max_client_batch_size: int = 4
+    max_client_batch_size: int = None  # type: ignore[assignment]  # settled in __post_init__
     max_input_tokens: int | None = None
     max_input_length: int | None = None
     max_total_tokens: int | None = None
@@ -76,6 +85,8 @@ class Config:
     stream_idle_timeout: float = 300.0
     validation_workers: int = 2
     disable_grammar_support: bool = False
+    task: str = "generate"
+    runner: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
@@ -114,6 +125,12 @@ class Config:
     instead (set by :func:`tokenmill.config.parse_config`, logged once logging is set up)."""
 
     def __post_init__(self) -> None:
+        task = TASK_ALIASES.get(self.task, self.task)
+        if self.runner == "pooling" and task == "generate":  # vLLM's --runner pooling: the checkpoint says which
+            task = POOLING
+        object.__setattr__(self, "task", task)
+        if self.max_client_batch_size is None:
+            object.__setattr__(self, "max_client_batch_size", CLIENT_BATCH_SIZES.get(task, 32))
         if self.max_input_tokens is None and self.max_input_length is not None:  # TGI's legacy name
             object.__setattr__(self, "max_input_tokens", self.max_input_length)
 
@@ -188,6 +205,14 @@ class Config:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in (0, 1] (got {getattr(self, name)})")
         if self.kv_cache_dtype not in (None, "auto", "fp8_e4m3fn"):
             raise ConfigError(f"--kv-cache-dtype must be auto or fp8_e4m3fn (got {self.kv_cache_dtype!r})")
+        if self.task not in (*TASKS, POOLING):
+            raise ConfigError(f"--task must be generate, embed or score (got {self.task!r})")
+        if self.runner not in (None, "auto", "generate", "pooling"):
+            raise ConfigError(f"--runner must be generate or pooling (got {self.runner!r})")
+        if self.runner == "generate" and self.task != "generate":
+            raise ConfigError(f"--runner generate contradicts --task {self.task}")
+        if self.task != "generate" and self.num_shard > 1:
+            raise ConfigError(f"--task {self.task} cannot shard yet: run it with --num-shard 1")
         if self.server not in ("gunicorn", "uvicorn"):
             raise ConfigError(f"--server must be gunicorn or uvicorn (got {self.server!r})")
         total, inputs = self.max_total_tokens, self.max_input_tokens

@@ -36,6 +36,14 @@ from tokenmill.http.ops import (
     ResetPrefixCacheRoute,
 )
 from tokenmill.http.platform import InvocationsRoute, RootRoute, VersionRoute
+from tokenmill.http.pooling.routes import (
+    ClassifyRoute,
+    EmbeddingsRoute,
+    EmbedRoute,
+    Pooling,
+    RerankRoute,
+    ScoreRoute,
+)
 from tokenmill.http.responses.routes import ResponsesRoute, StoredResponseRoute
 from tokenmill.http.responses.store import ResponseStore
 from tokenmill.http.state import ServerState
@@ -114,6 +122,8 @@ class Lifespan:
     async def process_shutdown(self, scope: Any, event: Any) -> None:
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.stop)
+        if self.state.pooler is not None:
+            await asyncio.to_thread(self.state.pooler.stop)
         await asyncio.to_thread(self.state.stop_shards)
         self.state.workers.shutdown()
         if self.metrics_server is not None:
@@ -160,10 +170,18 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/v1/responses/{response_id}", StoredResponseRoute(responses))
     app.add_route("/v1/messages", MessagesRoute(generation))
     app.add_route("/v1/messages/count_tokens", CountTokensRoute(state))
+    pooling = Pooling(state)
+    pooling_routes = {"/v1/embeddings": EmbeddingsRoute(pooling), "/embed": EmbedRoute(pooling),
+                      "/rerank": RerankRoute(pooling), "/score": ScoreRoute(pooling),
+                      "/classify": ClassifyRoute(pooling)}
+    for path, route in pooling_routes.items():
+        app.add_route(path, route)
+    app.add_route("/v1/rerank", pooling_routes["/rerank"])
     app.add_route("/ping", health)  # SageMaker's name for the health check
     app.add_route("/invocations", InvocationsRoute(state, chat=ChatCompletionsRoute(generation),
                                                    completions=CompletionsRoute(generation),
-                                                   generate=GenerateRoute(generation, stream=None)))
+                                                   generate=GenerateRoute(generation, stream=None),
+                                                   pooling=pooling_routes))
     app.add_route("/chat_tokenize", ChatTokenizeRoute(state))
     app.add_route("/detokenize", DetokenizeRoute(state))
     app.add_route("/tokenizer_info", TokenizerInfoRoute(state))

@@ -25,8 +25,14 @@ GENERATION_ROUTES = {
     "/invocations": "invocations",
     "/v1/messages": "messages",
     "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/embed": "embed",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/score": "score",
+    "/classify": "classify",
 }
-"""Paths whose POSTs are generation requests: counted, timed, logged and traced."""
+"""Paths whose POSTs are inference requests (generation, embeddings, scores): counted, timed, logged and traced."""
 
 OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models", "/ping", "/version",
                          "/api-doc/openapi.json", "/openapi.json", "/docs"})

@@ -146,9 +146,13 @@ class HealthRoute:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if self.state.draining:
             raise ApiError(503, "the server is shutting down", "unhealthy")
-        self.state.ready_engine()
+        self.state.check_ready()
         resp.status = falcon.HTTP_200
         resp.text = ""
+
+
+PIPELINE_TAGS = {"generate": "text-generation", "embed": "feature-extraction", "score": "text-classification"}
+"""/info's ``model_pipeline_tag`` per task: the hub's names, which TEI's /info gives too."""
 
 
 class InfoRoute:
@@ -157,7 +161,7 @@ class InfoRoute:
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         state, config = self.state, self.state.config
-        loaded = state.loaded
+        loaded, serving = state.loaded, state.serving
         resp.media = {
             "model_id": loaded.model_id if loaded else config.model_id,
             "model_sha": None,
@@ -166,7 +170,8 @@ class InfoRoute:
             "quantize": loaded.quantization if loaded else config.quantize,
             "num_shard": config.num_shard,
             "model_device_type": loaded.device.type if loaded else None,
-            "model_pipeline_tag": "text-generation",
+            "model_pipeline_tag": PIPELINE_TAGS.get(config.task, "text-generation"),
+            "task": config.task,
             "max_concurrent_requests": config.max_concurrent_requests,
             "max_best_of": config.max_best_of,
             "max_stop_sequences": config.max_stop_sequences,
@@ -195,12 +200,12 @@ class InfoRoute:
             "tool_call_parser": state.chat_format.tool_parser.name if state.chat_format else config.tool_call_parser,
             "reasoning_parser": config.reasoning_parser,
             "lora_adapters": state.adapters.names if state.adapters is not None else None,
-            "ready": state.engine is not None and state.engine.healthy,
-            "load_stage": "ready" if state.engine is not None else (state.stages.current or "starting"),
+            "ready": serving is not None and serving.healthy,
+            "load_stage": "ready" if serving is not None else (state.stages.current or "starting"),
             "load_stages": [{**stage, "detail": without_directories(stage["detail"])} for stage in state.stages.done],
             "forward": state.compiler.forward if state.compiler is not None else None,
-            "queue_size": state.engine.queue_size if state.engine else 0,
-            "batch_size": state.engine.batch_size if state.engine else 0,
+            "queue_size": serving.queue_size if serving else 0,
+            "batch_size": serving.batch_size if serving else 0,
         }
 
 

@@ -3,7 +3,8 @@
 
 ``/invocations`` takes any of TGI's request bodies, as TGI's SageMaker route does: a chat request
 (``messages``) goes to /v1/chat/completions, a completion (``prompt``) to /v1/completions, anything
-else to TGI's ``POST /``.
+else to TGI's ``POST /``. On an embedding or score server (``--task``) it goes, as TEI's does, to
+/v1/embeddings (``input``) or /embed (``inputs``); to /rerank (``query``), /score (``text_1``) or /classify.
 """
 
 from __future__ import annotations
@@ -36,20 +37,25 @@ class RootRoute:
 class InvocationsRoute:
     """SageMaker's inference route: the body's shape picks the route that answers it."""
 
-    def __init__(self, state: ServerState, chat: Any, completions: Any, generate: Any) -> None:
+    def __init__(self, state: ServerState, chat: Any, completions: Any, generate: Any, pooling: dict[str, Any]
+                 ) -> None:
         self.state = state
         self.chat = chat
         self.completions = completions
         self.generate = generate
+        self.pooling = pooling
+        """The embedding and score routes by path: /v1/embeddings, /embed, /rerank, /score, /classify."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         """The place is taken before the body is read, and handed over with it to the route it picks."""
-        self.state.ready_engine()
+        self.state.check_ready()
         slot = req.context[HANDED_SLOT] = self.state.take_slot()
         try:
             body = await read_json(req, self.state.config)
             route = self.generate
-            if isinstance(body, dict) and "messages" in body:
+            if self.state.config.task != "generate":
+                route = self.pooling[pooling_path(self.state.config.task, body if isinstance(body, dict) else {})]
+            elif isinstance(body, dict) and "messages" in body:
                 route = self.chat
             elif isinstance(body, dict) and "prompt" in body and "inputs" not in body:
                 route = self.completions
@@ -57,6 +63,15 @@ class InvocationsRoute:
         finally:
             if req.context.pop(HANDED_SLOT, None) is not None:  # the route never took it
                 slot.release()
+
+
+def pooling_path(task: str, body: dict[str, Any]) -> str:
+    """Which embedding or score route answers a SageMaker request, by its body's fields."""
+    if task == "embed":
+        return "/v1/embeddings" if "input" in body and "inputs" not in body else "/embed"
+    if "query" in body:
+        return "/rerank"
+    return "/score" if "text_1" in body else "/classify"
 
 
 class VersionRoute:

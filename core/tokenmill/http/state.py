@@ -16,8 +16,9 @@ import pluggy
 
 from tokenmill.config import Config
 from tokenmill.engine import Engine
+from tokenmill.engine.pooling import PoolingEngine, start_pooling_engine
 from tokenmill.engine.sequence import PRIORITY_CLASSES
-from tokenmill.engine.startup import start_engine
+from tokenmill.engine.startup import hub_cache, start_engine
 from tokenmill.http.body import ApiError
 from tokenmill.http.openai.reading import ChatFormat, choose_chat_format
 from tokenmill.http.tgi.validation import Validator
@@ -59,6 +60,12 @@ def adapter_api_error(error: AdapterBusy | AdapterError) -> ApiError:
     return ApiError(422, str(error), "validation")
 
 
+def wrong_task(task: str, needed: str) -> ApiError:
+    """A route for another task than the server's: 404, as vLLM answers a route its model does not serve."""
+    return ApiError(404, f"this server runs --task {task}; this route needs a server started with --task {needed}",
+                    "not_found")
+
+
 class Slot:
     """One of the ``--max-concurrent-requests`` places, with the LoRA adapter its request pinned;
     giving it back (once, whatever the path) unpins the adapter too."""
@@ -96,6 +103,9 @@ class ServerState:
             stage=stage, seconds=seconds, detail=detail))
         self.loaded: LoadedModel | None = None
         self.engine: Engine | None = None
+        """The generation engine (``--task generate``)."""
+        self.pooler: PoolingEngine | None = None
+        """The embedding or score engine (``--task embed`` or ``score``)."""
         self.shards: ShardProcesses | None = None
         """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
         self.shard_failure: str | None = None
@@ -121,6 +131,9 @@ class ServerState:
     # ---- loading (runs in its own thread so /health answers meanwhile) ----------------
 
     def load(self) -> None:
+        if self.config.task != "generate":
+            self.load_pooler()
+            return
         if self.config.num_shard > 1 and "RANK" not in os.environ:  # torchrun starts the other ranks itself
             self.shards = ShardProcesses(self.config)
             threading.Thread(target=self._watch_shards, name="tokenmill-shards", daemon=True).start()
@@ -148,6 +161,26 @@ class ServerState:
         if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
             self.compiler.start()
         self.engine = started.engine
+
+    def load_pooler(self) -> None:
+        pooler, self.config = start_pooling_engine(self.config, self.stages, hub_cache(self.config))
+        loaded, config = pooler.model.loaded, self.config
+        self.loaded = loaded
+        self.vocab_size = loaded.model.get_input_embeddings().num_embeddings
+        self.chat_format = choose_chat_format(self.pm, None, None, loaded.tokenizer)  # /tokenize reads messages too
+        self.workers.start(lambda tokenizer: Validator(tokenizer, config, self.vocab_size, model_id=loaded.model_id),
+                           loaded.tokenizer)
+        assert config.max_input_tokens and config.max_total_tokens
+        self.metrics.set_token_limits(config.max_input_tokens, config.max_total_tokens)
+        pooler.step_observer = self.metrics.step_finished
+        pooler.broken_observer = self._exit_when_broken
+        pooler.start()
+        self.pooler = pooler
+
+    @property
+    def serving(self) -> PoolingEngine | Engine | None:
+        """The engine that answers this server's requests, once loaded."""
+        return self.pooler if self.config.task != "generate" else self.engine
 
     def _exit_when_broken(self, reason: str) -> None:
         """The engine broke (every request was told): /health says 503 for a moment, then the process exits."""
@@ -206,16 +239,32 @@ class ServerState:
             logging.shutdown()
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
-    def ready_engine(self) -> Engine:
+    def check_ready(self) -> None:
+        """503 unless the server can answer requests now (what /health says)."""
         if self.shard_failure is not None:
             raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
-        if self.engine is None:
+        engine = self.serving
+        if engine is None:
             stage = self.stages.current or "starting"
             raise ApiError(503, f"the model is not ready yet ({stage})", "unhealthy")
-        if not self.engine.healthy:
-            broken = self.engine.broken
+        if not engine.healthy:
+            broken = engine.broken
             raise ApiError(503, f"the engine is broken: {broken}" if broken else "the engine has stopped", "unhealthy")
+
+    def ready_engine(self) -> Engine:
+        """The generation engine, or 503 while it cannot serve (404 on a server of another task)."""
+        self.check_ready()
+        if self.engine is None:
+            raise wrong_task(self.config.task, "generate")
         return self.engine
+
+    def ready_pooler(self, task: str | None = None) -> PoolingEngine:
+        """The embedding or score engine (of ``task``, when given), or 503 while it cannot serve (404 on a
+        server of another task)."""
+        self.check_ready()
+        if self.pooler is None or (task is not None and self.config.task != task):
+            raise wrong_task(self.config.task, task or "embed or score")
+        return self.pooler
 
     async def drain(self, grace: float, now: asyncio.Event) -> None:
         """SIGTERM: refuse new requests (503) and let those in flight finish, for up to ``grace`` seconds
@@ -237,6 +286,10 @@ class ServerState:
 
     def live_snapshot(self) -> dict[str, Any]:
         """What the gauges of /metrics read at scrape time (empty while loading)."""
+        if self.pooler is not None:
+            return {"queue_size": self.pooler.queue_size, "batch_size": self.pooler.batch_size,
+                    "batch_max_tokens": 0, "in_flight": self.in_flight, "queue_by_class": {}, "kv": {},
+                    "preemptions": 0, "suspensions": 0}
         engine = self.engine
         if engine is None:
             return {}

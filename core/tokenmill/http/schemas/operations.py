@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from tokenmill.http.anthropic import schemas as anthropic
 from tokenmill.http.openai import schemas as oai
+from tokenmill.http.pooling import schemas as pooling
 from tokenmill.http.responses import schemas as responses
 from tokenmill.http.schemas import ops
 from tokenmill.http.tgi import schemas as tgi
@@ -27,11 +28,14 @@ SERVING_ERRORS = (503,)
 """Every route that needs the model answers 503 until it is loaded (and while the server drains)."""
 
 TGI, OPENAI, PLATFORMS, OPERATIONS, DOCS = "Text Generation Inference", "OpenAI", "Platforms", "Operations", "Docs"
-ANTHROPIC = "Anthropic"
+ANTHROPIC, EMBEDDINGS = "Anthropic", "Embeddings and scores"
+POOLING_ERRORS = (404, 413, 422, 424, 429, 503)
+"""404: the server runs another --task."""
 TAGS = {
     TGI: "TGI's routes, with its request and response shapes",
     OPENAI: "OpenAI's routes, as the openai client speaks them (plus vLLM's extra fields)",
     ANTHROPIC: "Anthropic's Messages API, as the anthropic client speaks it (served on the chat path, as vLLM does)",
+    EMBEDDINGS: "A server started with --task embed or --task score: OpenAI's, TEI's, Cohere's and vLLM's routes",
     PLATFORMS: "What SageMaker and vLLM's clients call: /ping, /invocations, /detokenize, /tokenizer_info, /version",
     OPERATIONS: "The state of the server and its LoRA adapters",
     DOCS: "This document and its viewer",
@@ -114,10 +118,25 @@ OPERATIONS_TABLE: tuple[Operation, ...] = (
               errors=GENERATION_ERRORS),
     Operation("POST", "/v1/messages/count_tokens", "The prompt tokens a /v1/messages request would take", ANTHROPIC,
               anthropic.MessagesInput, anthropic.TokenCount, errors=(413, 422, 503)),
+    Operation("POST", "/v1/embeddings", "Embeddings (OpenAI's; `--task embed`)", EMBEDDINGS, pooling.EmbeddingRequest,
+              pooling.EmbeddingList, errors=POOLING_ERRORS),
+    Operation("POST", "/embed", "Embeddings as a list of vectors (TEI's; `--task embed`)", EMBEDDINGS,
+              pooling.EmbedRequest, {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+              errors=POOLING_ERRORS),
+    Operation("POST", "/v1/rerank", "Documents ordered by relevance to a query (Cohere's and Jina's shape)",
+              EMBEDDINGS, pooling.RerankRequest, pooling.RerankResponse, errors=POOLING_ERRORS),
+    Operation("POST", "/rerank", "As /v1/rerank; a body with `texts` is TEI's and answered in TEI's shape",
+              EMBEDDINGS, one_of(pooling.RerankRequest, pooling.TeiRerankRequest),
+              {"oneOf": [ref(pooling.RerankResponse), list_of(pooling.TeiRank)]}, errors=POOLING_ERRORS),
+    Operation("POST", "/score", "Scores of text pairs (vLLM's): a cross-encoder's, or an embedding model's cosine",
+              EMBEDDINGS, pooling.ScoreRequest, pooling.ScoreResponse, errors=POOLING_ERRORS),
+    Operation("POST", "/classify", "Labels and their probabilities (vLLM's; `--task score`)", EMBEDDINGS,
+              pooling.ClassifyRequest, pooling.ClassifyResponse, errors=POOLING_ERRORS),
     Operation("GET", "/ping", "SageMaker's health check (as /health)", PLATFORMS,
               errors=SERVING_ERRORS),
     Operation("POST", "/invocations", "SageMaker's inference route: a chat request (`messages`), a completion "
-              "(`prompt`) or TGI's (`inputs`)", PLATFORMS,
+              "(`prompt`) or TGI's (`inputs`); on an embedding or score server, an embedding or score route's body",
+              PLATFORMS,
               one_of(tgi.CompatGenerateRequest, oai.ChatRequest, oai.CompletionRequest),
               {"oneOf": [list_of(tgi.GenerateResponse), ref(oai.ChatCompletion), ref(oai.Completion)]},
               one_of(tgi.StreamResponse, oai.ChatCompletionChunk, oai.CompletionChunk), errors=GENERATION_ERRORS),
@@ -151,7 +170,7 @@ OPERATIONS_BY_KEY = {operation.key: operation for operation in OPERATIONS_TABLE}
 def models_by_name() -> dict[str, type[BaseModel]]:
     """Every shape of :mod:`~tokenmill.http.schemas`' modules by its component name (its class name)."""
     found: dict[str, type[BaseModel]] = {}
-    for module in (tgi, oai, responses, anthropic, ops):
+    for module in (tgi, oai, responses, anthropic, pooling, ops):
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__:
                 if value.__name__ in found:

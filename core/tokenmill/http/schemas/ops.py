@@ -30,6 +30,7 @@ class Info(ResponseModel):
     num_shard: int | None = None
     model_device_type: str | None = None
     model_pipeline_tag: str | None = None
+    task: str | None = Field(None, description="generate, embed or score (--task)")
     max_concurrent_requests: int = Field(ge=0)
     max_best_of: int = Field(ge=0)
     max_stop_sequences: int = Field(ge=0)

@@ -1,0 +1,1 @@
+"""Embeddings, scores and rerank over HTTP (``--task embed`` and ``--task score``)."""
