@@ -250,3 +250,19 @@ def test_a_grammar_after_free_text_holds_only_what_follows_the_end_marker(tokeni
         assert not accepts_whole(after, tokenizer, "Still thinking " + answer), "no answer before the thinking ends"
         with pytest.raises(GrammarError):
             accepts_whole(after, tokenizer, "Done.</think>\nsomething else")
+
+
+def test_a_parser_that_raises_leaves_the_output_as_text(pm, caplog):
+    """A third-party parser's bug must not end the response: what it could not read is answered as text."""
+
+    class Broken:
+        name = "broken"
+
+        def parse(self, text, tools, final):
+            raise ValueError("a bug in a plugin")
+
+    reader = OutputReader(OutputFormat(TOOLS, Broken()))  # type: ignore[arg-type]
+    deltas = reader.push("Hello", final=False) + reader.push(" there", final=True)
+    assert "".join(delta.get("content", "") for delta in deltas) == "Hello there"
+    assert read_output(OutputFormat(TOOLS, Broken()), "text", final=True).content == "text"  # type: ignore[arg-type]
+    assert "the broken tool parser failed" in caplog.text

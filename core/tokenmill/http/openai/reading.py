@@ -9,6 +9,7 @@ reads the answer after the reasoning.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,11 @@ import pluggy
 
 from tokenmill.interfaces.parsers import FunctionTool, ParsedCall, ReasoningParser, ToolParser
 from tokenmill.plugin_manager import choose, offered
+
+log = logging.getLogger(__name__)
+
+FAILED_PARSERS: set[str] = set()
+"""Tool parsers that raised on an output: logged with the traceback the first time, once per name."""
 
 
 def new_call_id() -> str:
@@ -105,7 +111,14 @@ def read_output(output: OutputFormat, text: str, final: bool) -> ReadOutput:
         reasoning, answer = split.reasoning, (split.content if split.ended else "")
     if output.tool_parser is None or not answer:
         return ReadOutput(reasoning, answer)
-    parsed = output.tool_parser.parse(answer, output.tools, final)
+    try:
+        parsed = output.tool_parser.parse(answer, output.tools, final)
+    except Exception:  # noqa: BLE001 - a plugin's parser that fails must not end the response: its text stays text
+        name = output.tool_parser.name
+        log.warning("the %s tool parser failed on an output; it is answered as text", name,
+                    exc_info=name not in FAILED_PARSERS)
+        FAILED_PARSERS.add(name)
+        return ReadOutput(reasoning, answer)
     calls = parsed.calls if output.parallel else parsed.calls[:1]
     return ReadOutput(reasoning, parsed.content, calls)
 

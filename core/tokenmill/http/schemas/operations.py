@@ -91,8 +91,10 @@ OPERATIONS_TABLE: tuple[Operation, ...] = (
     Operation("POST", "/generate_stream", "Generate a stream of tokens (server-sent events; an error in the "
               "stream is an event with TGI's error body)", TGI, tgi.GenerateRequest, stream=tgi.StreamResponse,
               errors=GENERATION_ERRORS),
-    Operation("POST", "/tokenize", "Tokenize `inputs` (its `parameters` are checked, then unused)", TGI,
-              tgi.GenerateRequest, tgi.TokenizeResponse, errors=(404, 413, 422, 503)),
+    Operation("POST", "/tokenize", "Tokenize `inputs` (its `parameters` are checked, then unused), answered in "
+              "TGI's shape; vLLM's bodies (`prompt` or `messages`) are answered in vLLM's", TGI,
+              one_of(tgi.GenerateRequest, ops.VllmTokenizePrompt, ops.VllmTokenizeChat),
+              {"oneOf": [ref(tgi.TokenizeResponse), ref(ops.VllmTokenizeResponse)]}, errors=(404, 413, 422, 503)),
     Operation("POST", "/chat_tokenize", "Template a chat request and tokenize it, as /v1/chat/completions would",
               TGI, oai.ChatRequest, tgi.ChatTokenizeResponse, errors=(404, 413, 422, 503)),
     Operation("GET", "/health", "200 once the model is loaded and warmed up, 503 before and while draining", TGI,
