@@ -14,12 +14,26 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from bench import coldstart, compare, dtype, grammar, latency, lora, mixed, multiturn, quant, shards, soak, speculate
+from bench import (
+    coldstart,
+    compare,
+    dtype,
+    embed,
+    grammar,
+    latency,
+    lora,
+    mixed,
+    multiturn,
+    quant,
+    shards,
+    soak,
+    speculate,
+)
 
 SCENARIO_MODULES: dict[str, ModuleType] = {
     **dict.fromkeys(compare.SCENARIOS, compare), "latency": latency, "mixed": mixed, "multiturn": multiturn,
     "grammar": grammar, "quant": quant, "shards": shards, "lora": lora, "soak": soak, "dtype": dtype,
-    "speculate": speculate, "coldstart": coldstart,
+    "speculate": speculate, "coldstart": coldstart, "embed": embed,
 }
 
 

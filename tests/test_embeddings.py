@@ -325,12 +325,14 @@ class TestPoolingEngine:
         with pytest.raises(RuntimeError):
             engine.submit([Pooled([2, 3])])
 
-    def test_a_step_takes_what_fits_its_token_budget_and_skips_callers_that_left(self, engine):
+    def test_a_step_takes_the_oldest_input_and_those_of_nearest_length_that_fit_skipping_callers_that_left(
+            self, engine):
         from tokenmill.engine.pooling import Pooled
 
-        left, short, long_ = Pooled([2, 5, 3]), Pooled([2, 5, 3]), Pooled([2] + [5] * 40 + [3])
+        left, oldest, like = Pooled([2, 5, 3]), Pooled([2, 5, 3]), Pooled([2, 6, 3])
+        long_ = Pooled([2] + [5] * 40 + [3])
         left.answer.cancel()
-        engine._waiting.extend([left, short, long_, Pooled([2, 6, 3])])
-        assert engine._next_batch() == [short]  # 2 rows × 42 positions would exceed 64
-        assert engine._next_batch()[0] is long_
-        assert engine.queue_size == 1
+        engine._waiting.extend([left, oldest, long_, like])
+        assert engine._next_batch() == [oldest, like]  # the long one would pad them all to 42 positions (> 64)
+        assert engine._next_batch() == [long_]
+        assert engine.queue_size == 0

@@ -1,7 +1,7 @@
 """The engine of a pooling server (``--task embed`` or ``score``): one thread that owns the model, takes
-the inputs waiting in its queue in arrival order, as many per step as ``--max-batch-size`` and
-``--max-batch-prefill-tokens`` allow (a step's padded batch counts as rows × its longest input), runs
-one forward over them, and answers each input's future with its row.
+the oldest input waiting and, beside it, those of the nearest lengths, as many per step as
+``--max-batch-size`` and ``--max-batch-prefill-tokens`` allow (a step's padded batch counts as rows × its
+longest input), runs one forward over them, and answers each input's future with its row.
 
 Each step is a prefill with nothing kept: no KV cache, no decoding. An input whose caller left
 (its future cancelled) is skipped. A step that fails is retried one input at a time, so only the
@@ -23,10 +23,16 @@ import torch
 
 from tokenmill.config import Config
 from tokenmill.engine.timing import StepTiming
+from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
 from tokenmill.model.loading import Stages
 from tokenmill.model.pooling import PoolingModel, load_pooling_model
 
 log = logging.getLogger(__name__)
+
+
+MAX_PADDING = 0.2
+"""The most of a step's positions that may be padding: inputs of other lengths wait for a step of their own
+(a forward over rows padded to the longest costs as much as if every row were that long)."""
 
 
 @dataclass
@@ -88,19 +94,27 @@ class PoolingEngine:
         self._step(inputs)
 
     def _next_batch(self) -> list[Pooled]:
+        """The oldest input waiting, and beside it those of the nearest lengths that fit the step and keep its
+        padding under :data:`MAX_PADDING` (the oldest always goes, so no input waits forever)."""
+        waiting = [item for item in self._waiting if not item.answer.cancelled()]  # callers that left drop out
+        if not waiting:
+            self._waiting.clear()
+            return []
+        anchor = len(waiting[0].token_ids)
         batch: list[Pooled] = []
-        longest = 0
-        while self._waiting:
-            head = self._waiting[0]
-            longest_with = max(longest, len(head.token_ids))
-            full = self.max_batch_size is not None and len(batch) >= self.max_batch_size
-            if batch and not head.answer.cancelled() and (
-                    full or longest_with * (len(batch) + 1) > self.max_batch_tokens):
+        longest = real = 0
+        for item in sorted(waiting, key=lambda item: abs(len(item.token_ids) - anchor)):  # stable: oldest first
+            if self.max_batch_size is not None and len(batch) >= self.max_batch_size:
                 break
-            self._waiting.popleft()
-            if head.answer.set_running_or_notify_cancel():  # False: its caller left
-                batch.append(head)
-                longest = longest_with
+            length = len(item.token_ids)
+            padded = max(longest, length) * (len(batch) + 1)
+            if batch and (padded > self.max_batch_tokens or padded > (real + length) / (1 - MAX_PADDING)):
+                continue
+            if item.answer.set_running_or_notify_cancel():  # False: its caller left just now
+                batch.append(item)
+                longest, real = max(longest, length), real + length
+        taken = {id(item) for item in batch}
+        self._waiting = deque(item for item in waiting if id(item) not in taken and not item.answer.cancelled())
         return batch
 
     def _run(self) -> None:
@@ -158,6 +172,9 @@ def start_pooling_engine(config: Config, stages: Stages, hub_cache: str | None) 
     and warm it up; the engine is returned ready but not started."""
     model = load_pooling_model(config.model_id, config.revision, config.dtype, config.task,
                                config.trust_remote_code, stages, hub_cache)
+    if config.prepack_weights and packing_unavailable_reason(model.loaded.model) is None:
+        packed = stages.run("packing weights", lambda: pack_linears(model.loaded.model), detail="oneDNN layout for CPU")
+        log.info("packed %d linear layers for oneDNN", packed)
     context = getattr(model.loaded.model.config, "max_position_embeddings", None)
     settled = replace(config, task=model.task).with_limits(context, on_cpu=model.loaded.device.type == "cpu")
     settled = replace(settled, max_batch_prefill_tokens=config.max_batch_prefill_tokens or POOLING_BATCH_TOKENS)

@@ -151,6 +151,8 @@ class PoolingModel:
         if self.pad_id is None:
             self.pad_id = loaded.tokenizer.eos_token_id or 0
         self.takes_token_types = "token_type_ids" in loaded.tokenizer.model_input_names
+        self.causal = task == "embed" and is_decoder(config)
+        """Embeddings of a decoder: run without a padding mask (see :meth:`forward`)."""
         self.matryoshka = tuple(getattr(config, "matryoshka_dimensions", None) or ())
         """The sizes an embedding may be cut to (``dimensions``); any size up to the full one when the
         config says ``is_matryoshka`` without naming sizes."""
@@ -182,7 +184,9 @@ class PoolingModel:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        kwargs: dict[str, Any] = {"input_ids": batch.input_ids}
+        if not self.causal:  # right-padded, a causal model's tokens never see the padding after them: no mask,
+            kwargs["attention_mask"] = batch.attention_mask  # so attention takes its causal fast path
         if batch.token_type_ids is not None:
             kwargs["token_type_ids"] = batch.token_type_ids
         output = self.loaded.model(**kwargs)
