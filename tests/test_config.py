@@ -58,11 +58,28 @@ def test_legacy_max_input_length_sets_max_input_tokens():
     (["--prometheus-port", "3000"], "--prometheus-port (3000) must differ from --port"),
     (["--lora-adapters", "a=/x", "--num-shard", "2"], "LoRA adapters cannot shard yet"),
     (["--lora-cache-limit", "0"], "--lora-cache-limit must be >= 1"),
+    (["--task", "translate"], "--task must be generate, embed or score"),
+    (["--runner", "generate", "--task", "embed"], "--runner generate contradicts --task embed"),
+    (["--task", "embed", "--num-shard", "2"], "--task embed cannot shard yet"),
+    (["--task", "score", "--speculate", "2", "--reasoning-parser", "qwen3"],
+     "--speculate, --reasoning-parser: only for --task generate (this server runs --task score)"),
 ])
 def test_contradictions_fail(argv, message):
     with pytest.raises(ConfigError) as error:
         parse_config(argv, env={})
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("argv, task, client_batch", [
+    ([], "generate", 4),
+    (["--task", "embedding"], "embed", 32),  # vLLM's name
+    (["--task", "classify"], "score", 32),
+    (["--runner", "pooling"], "pooling", 32),  # embed or score: the checkpoint's architecture settles it at load
+    (["--task", "embed", "--max-client-batch-size", "100"], "embed", 100),
+])
+def test_the_task_and_its_default_client_batch(argv, task, client_batch):
+    config = parse_config(argv, env={})
+    assert (config.task, config.max_client_batch_size) == (task, client_batch)
 
 
 def test_limits_follow_the_model_context_when_unset():

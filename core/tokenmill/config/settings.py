@@ -211,8 +211,15 @@ class Config:
             raise ConfigError(f"--runner must be generate or pooling (got {self.runner!r})")
         if self.runner == "generate" and self.task != "generate":
             raise ConfigError(f"--runner generate contradicts --task {self.task}")
-        if self.task != "generate" and self.num_shard > 1:
-            raise ConfigError(f"--task {self.task} cannot shard yet: run it with --num-shard 1")
+        if self.task != "generate":
+            if self.num_shard > 1:
+                raise ConfigError(f"--task {self.task} cannot shard yet: run it with --num-shard 1")
+            generating = {"--speculate": self.speculate, "--lora-adapters": self.lora_adapters,
+                          "--tool-call-parser": self.tool_call_parser, "--reasoning-parser": self.reasoning_parser,
+                          "--quantize": self.quantize}
+            given = [flag for flag, value in generating.items() if value]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: only for --task generate (this server runs --task {self.task})")
         if self.server not in ("gunicorn", "uvicorn"):
             raise ConfigError(f"--server must be gunicorn or uvicorn (got {self.server!r})")
         total, inputs = self.max_total_tokens, self.max_input_tokens
