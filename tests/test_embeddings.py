@@ -250,6 +250,17 @@ class TestCrossEncoder:
         assert [item["score"] for item in pairwise["data"]] == pytest.approx(expected[:2], abs=1e-5)
         assert mismatched.status_code == 422 and "text_1" in mismatched.json()["error"]
 
+    def test_pairs_too_long_are_422_or_cut_in_the_document_when_asked(self, score_server):
+        long_query, long_document = " ".join(["paris"] * 200), " ".join(["cat"] * 200)  # 128 positions
+        with score_server.client() as client:
+            refused = client.post("/v1/rerank", json={"query": "paris", "documents": [long_document]})
+            cut = client.post("/v1/rerank", json={"query": "paris", "documents": [long_document],
+                                                  "truncate_prompt_tokens": 100})
+            query_too_long = client.post("/rerank", json={"query": long_query, "texts": ["cat"], "truncate": True})
+        assert refused.status_code == 422 and "at most 127 tokens" in refused.json()["error"]
+        assert cut.status_code == 200 and cut.json()["usage"]["total_tokens"] == 100
+        assert query_too_long.status_code == 422 and query_too_long.json()["error_type"] == "validation"
+
     def test_classify_gives_labels_and_probabilities(self, score_server):
         with score_server.client() as client:
             answer = client.post("/classify", json={"input": ["the cat", "the dog"]}).json()

@@ -174,6 +174,7 @@ class ServerState:
         self.metrics.set_token_limits(config.max_input_tokens, config.max_total_tokens)
         pooler.step_observer = self.metrics.step_finished
         pooler.broken_observer = self._exit_when_broken
+        log.info("%d objects kept out of garbage collection, loaded for the server's life", kv_memory.freeze_heap())
         pooler.start()
         self.pooler = pooler
 

@@ -61,8 +61,11 @@ def encode_pair(validator: Validator, first: str, second: str, cut: Cut, field: 
         raise ValidationError(f"`{field}` cannot hold an empty string")
     limit = validator.config.max_input_tokens
     cut_second = cut.to_limit or cut.last is not None
-    encoding = validator.tokenizer(first, second, truncation="only_second" if cut_second else False,
-                                   max_length=min(limit, cut.last or limit) if cut_second else None)
+    try:
+        encoding = validator.tokenizer(first, second, truncation="only_second" if cut_second else False,
+                                       max_length=min(limit, cut.last or limit) if cut_second else None)
+    except Exception as error:  # noqa: BLE001 - the tokenizer's: cutting the document cannot make the pair fit
+        raise ValidationError(f"`query` is too long to pair with `{field}` within {limit} tokens ({error})") from None
     token_ids = list(encoding["input_ids"])
     types = encoding.get("token_type_ids")
     if len(token_ids) > (limit or 0):
