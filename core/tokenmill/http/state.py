@@ -152,12 +152,7 @@ class ServerState:
             adapter_names=(lambda: adapters.names) if adapters is not None else None,
             model_id=started.loaded.model_id, unavailable_reason=started.engine.unavailable_reason),
             started.loaded.tokenizer)
-        assert self.config.max_input_tokens and self.config.max_total_tokens
-        self.metrics.set_token_limits(self.config.max_input_tokens, self.config.max_total_tokens)
-        started.engine.step_observer = self.metrics.step_finished
-        started.engine.broken_observer = self._exit_when_broken
-        log.info("%d objects kept out of garbage collection, loaded for the server's life", kv_memory.freeze_heap())
-        started.engine.start()
+        self._start(started.engine)
         if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
             self.compiler.start()
         self.engine = started.engine
@@ -170,13 +165,19 @@ class ServerState:
         self.chat_format = choose_chat_format(self.pm, None, None, loaded.tokenizer)  # /tokenize reads messages too
         self.workers.start(lambda tokenizer: Validator(tokenizer, config, self.vocab_size, model_id=loaded.model_id),
                            loaded.tokenizer)
+        self._start(pooler)
+        self.pooler = pooler
+
+    def _start(self, engine: Engine | PoolingEngine) -> None:
+        """Start the loaded engine: its limits and steps in the metrics, a broken one ending the process, the
+        heap loaded so far frozen out of garbage collection."""
+        config = self.config
         assert config.max_input_tokens and config.max_total_tokens
         self.metrics.set_token_limits(config.max_input_tokens, config.max_total_tokens)
-        pooler.step_observer = self.metrics.step_finished
-        pooler.broken_observer = self._exit_when_broken
+        engine.step_observer = self.metrics.step_finished
+        engine.broken_observer = self._exit_when_broken
         log.info("%d objects kept out of garbage collection, loaded for the server's life", kv_memory.freeze_heap())
-        pooler.start()
-        self.pooler = pooler
+        engine.start()
 
     @property
     def serving(self) -> PoolingEngine | Engine | None:

@@ -54,6 +54,13 @@ def encode(validator: Validator, text: str | list[int], cut: Cut, field: str,
     return within_limit(token_ids, validator, cut, field)
 
 
+def encode_all(validator: Validator, texts: list[str] | list[str | list[int]], cut: Cut, field: str,
+               add_special_tokens: bool = True) -> list[tuple[list[int], None]]:
+    """A request's inputs, each encoded alone (:func:`encode`), at most ``--max-client-batch-size`` of them."""
+    check_count(len(texts), validator, field)
+    return [(encode(validator, text, cut, field, add_special_tokens), None) for text in texts]
+
+
 def encode_pair(validator: Validator, first: str, second: str, cut: Cut, field: str) -> tuple[list[int], list[int]]:
     """A cross-encoder's input: the two texts as one sequence (the tokenizer's pair template), with token types.
     A pair cut to the limit loses the end of ``second``."""

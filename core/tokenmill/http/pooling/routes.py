@@ -132,12 +132,9 @@ class EmbeddingsRoute:
             check_dimensions(pooling.model, request.dimensions)
             if request.input == []:
                 raise ValidationError("`input` must be a string, token ids, or a non-empty list of either")
-            prompts = completion_prompts(request.input)
-            read.check_count(len(prompts), validator, "input")
             cut = read.Cut(last=request.truncate_prompt_tokens)
-            special = request.add_special_tokens is not False
-            return Checked(request, [(read.encode(validator, prompt, cut, "input", special), None)
-                                     for prompt in prompts])
+            return Checked(request, read.encode_all(validator, completion_prompts(request.input), cut, "input",
+                                                    request.add_special_tokens is not False))
 
         checked, rows = await pooling.run(req, "embed", check)
         request, normalize = checked.request, pooling.model.pooling.normalize
@@ -159,10 +156,8 @@ class EmbedRoute:
         def check(body: Any, validator: Validator) -> Checked:
             request = check_body(EmbedRequest, body)
             check_dimensions(pooling.model, request.dimensions)
-            texts = read.texts_of(request.inputs)
-            read.check_count(len(texts), validator, "inputs")
             cut = read.Cut(to_limit=bool(request.truncate))
-            return Checked(request, [(read.encode(validator, text, cut, "inputs"), None) for text in texts])
+            return Checked(request, read.encode_all(validator, read.texts_of(request.inputs), cut, "inputs"))
 
         checked, rows = await pooling.run(req, "embed", check)
         request = checked.request
@@ -271,10 +266,8 @@ class ClassifyRoute:
 
         def check(body: Any, validator: Validator) -> Checked:
             request = check_body(ClassifyRequest, body)
-            texts = read.texts_of(request.input)
-            read.check_count(len(texts), validator, "input")
             cut = read.Cut(last=request.truncate_prompt_tokens)
-            return Checked(request, [(read.encode(validator, text, cut, "input"), None) for text in texts])
+            return Checked(request, read.encode_all(validator, read.texts_of(request.input), cut, "input"))
 
         checked, rows = await pooling.run(req, "score", check)
         labels = pooling.model.labels
