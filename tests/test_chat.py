@@ -67,7 +67,7 @@ def test_messages_accept_text_parts_and_map_developer_to_system():
     assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
     with pytest.raises(ValidationError, match=r"messages\[0\].role"):
         chat_messages([{"role": "wizard", "content": "x"}])
-    with pytest.raises(ChatError, match="only text"):
+    with pytest.raises(ChatError, match="takes no images"):
         chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.engine.kv_cache import KVCacheManager, full_block_hashes
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.prefix import full_block_hashes
 from tokenmill.engine.sequence import GenerationRequest, Sequence
 from tokenmill.model.sharding.mirror import MirroredPool, apply_changes
 from tokenmill.sampling import SamplingParams

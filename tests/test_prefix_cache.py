@@ -11,8 +11,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, Collector, build_engine, greedy_request, reference_greedy, tiny_mistral
 
-from tokenmill.engine.kv_cache import block_hash, full_block_hashes
-from tokenmill.engine.prefix import BlockChain
+from tokenmill.engine.prefix import BlockChain, block_hash, full_block_hashes
 from tokenmill.engine.sequence import GenerationRequest, SamplingParams, Sequence
 from tokenmill.interfaces import StepBudget
 

@@ -47,6 +47,9 @@ _HELP = {
     "sharded": ("true: shard over --num-shard, else every visible GPU; false: one shard (TGI's flag; default: "
                 "unset, as many shards as --num-shard says)"),
     "disable_grammar_support": "refuse constrained generation (grammar, response_format, tools) with a 422",
+    "max_images": "most images in one request to a vision-language model (default 4; 0 refuses images)",
+    "allow_image_urls": ("fetch images from public http(s) URLs (default: off, images come as data URLs only; "
+                         "private, loopback and link-local addresses are never fetched)"),
     "task": ("generate (text), embed (/v1/embeddings, /embed; /score and /rerank by cosine) or score (a cross-encoder, "
              "*ForSequenceClassification: /score, /rerank, /classify); vLLM's embedding and classify are accepted "
              "as names (default: generate)"),

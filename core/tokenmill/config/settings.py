@@ -85,6 +85,8 @@ class Config:
     stream_idle_timeout: float = 300.0
     validation_workers: int = 2
     disable_grammar_support: bool = False
+    max_images: int = 4
+    allow_image_urls: bool = False
     task: str = "generate"
     runner: str | None = None
     tool_call_parser: str | None = None
@@ -169,6 +171,8 @@ class Config:
             raise ConfigError("--sharded true needs more than one shard: --num-shard 1 (or one visible GPU) gives one")
         if self.num_shard > 1 and self.quantize:
             raise ConfigError(f"--quantize {self.quantize} cannot shard yet: run it with --num-shard 1")
+        if self.max_images < 0:
+            raise ConfigError(f"--max-images must be >= 0 (got {self.max_images})")
         if self.max_client_batch_size < 1:
             raise ConfigError(f"--max-client-batch-size must be >= 1 (got {self.max_client_batch_size})")
         if not 0 < self.watermark_gamma < 1:

@@ -7,7 +7,7 @@ may join a running batch at all.
 
 from __future__ import annotations
 
-from tokenmill.engine.kv_cache import full_block_hashes
+from tokenmill.engine.prefix import full_block_hashes
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import NO_HIT, BatchLimits, PrefixHit, StepBudget, blocks_for
 

@@ -6,41 +6,9 @@ memory of its own answers the same calls through :class:`tokenmill.engine.runner
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-
+from tokenmill.engine.prefix import cacheable_blocks, full_block_hashes
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import NO_HIT, BlockPool, PrefixHit, blocks_for
-
-
-def block_hash(parent: bytes | None, tokens: list[int], namespace: str = "") -> bytes:
-    """The name of a block holding ``tokens`` after the block named ``parent`` (None: the first block).
-
-    A full block's keys and values depend on its tokens, on every token before it, and on what else changes
-    the model's work: the LoRA adapter and a tenant's ``cache_salt`` (its *namespace*). So two prompts share
-    a block exactly when they share everything up to its end, and tenants with different salts never share
-    one. BLAKE2b (128 bits): no client can craft a prompt whose blocks collide with another's."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(parent if parent is not None else b"tokenmill-prefix\0" + namespace.encode() + b"\0")
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
-
-
-def full_block_hashes(seq: Sequence, block_size: int, count: int) -> list[bytes]:
-    """The names of ``seq``'s first ``count`` blocks (each full), kept on ``seq.block_hashes`` so each is
-    hashed once: a waiting sequence is looked up at every step until it starts."""
-    memo, tokens = seq.block_hashes, seq.token_ids
-    assert len(tokens) >= count * block_size, "only full blocks have names"
-    for index in range(len(memo), count):
-        block = tokens[index * block_size:(index + 1) * block_size]
-        memo.append(block_hash(memo[-1] if memo else None, block, seq.cache_namespace))
-    return memo[:count]
-
-
-def cacheable_blocks(total_len: int, block_size: int) -> int:
-    """Leading blocks of a context of ``total_len`` tokens that a new sequence may take from the cache:
-    whole blocks, leaving at least the last token to compute (its logits give the next token)."""
-    return (total_len - 1) // block_size
 
 
 class KVCacheManager:

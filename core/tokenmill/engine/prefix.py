@@ -1,12 +1,52 @@
-"""Names of KV blocks for automatic prefix caching, as hooks.md promised plugins: the functions live with
-the KV-cache manager (:mod:`tokenmill.engine.kv_cache`), which names blocks for the paged runner now;
-:class:`BlockChain` stays here for a runner of its own that names its blocks as it fills them."""
+"""Names of KV blocks for automatic prefix caching, as hooks.md promised plugins: what the KV-cache manager
+(:mod:`tokenmill.engine.kv_cache`) names the paged runner's blocks with, and :class:`BlockChain` for a runner
+of its own that names its blocks as it fills them."""
 
 from __future__ import annotations
 
-from tokenmill.engine.kv_cache import block_hash, cacheable_blocks, full_block_hashes
+import hashlib
+from array import array
+
+from tokenmill.engine.sequence import Sequence
 
 __all__ = ["BlockChain", "block_hash", "cacheable_blocks", "full_block_hashes"]
+
+
+def block_hash(parent: bytes | None, tokens: list[int], namespace: str = "", images: bytes = b"") -> bytes:
+    """The name of a block holding ``tokens`` after the block named ``parent`` (None: the first block).
+
+    A full block's keys and values depend on its tokens, on every token before it, and on what else changes
+    the model's work: the LoRA adapter and a tenant's ``cache_salt`` (its *namespace*). So two prompts share
+    a block exactly when they share everything up to its end, and tenants with different salts never share
+    one. BLAKE2b (128 bits): no client can craft a prompt whose blocks collide with another's. ``images``: the
+    digest of a prompt's images, for the block holding its first image token (the pixels, not the tokens,
+    tell two images apart)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent if parent is not None else b"tokenmill-prefix\0" + namespace.encode() + b"\0")
+    digest.update(array("q", tokens).tobytes())
+    if images:
+        digest.update(b"\0images\0" + images)
+    return digest.digest()
+
+
+def full_block_hashes(seq: Sequence, block_size: int, count: int) -> list[bytes]:
+    """The names of ``seq``'s first ``count`` blocks (each full), kept on ``seq.block_hashes`` so each is
+    hashed once: a waiting sequence is looked up at every step until it starts."""
+    memo, tokens, images = seq.block_hashes, seq.token_ids, seq.request.images
+    assert len(tokens) >= count * block_size, "only full blocks have names"
+    image_block = images.positions[0] // block_size if images is not None and images.positions else -1
+    for index in range(len(memo), count):
+        block = tokens[index * block_size:(index + 1) * block_size]
+        pixels = images.digest if images is not None and index == image_block else b""
+        memo.append(block_hash(memo[-1] if memo else None, block, seq.cache_namespace, pixels))
+    return memo[:count]
+
+
+def cacheable_blocks(total_len: int, block_size: int) -> int:
+    """Leading blocks of a context of ``total_len`` tokens that a new sequence may take from the cache:
+    whole blocks, leaving at least the last token to compute (its logits give the next token)."""
+    return (total_len - 1) // block_size
+
 
 
 class BlockChain:

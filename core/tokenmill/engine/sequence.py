@@ -13,6 +13,7 @@ from tokenmill.engine.stream import EventSink, EventStream, as_stream
 from tokenmill.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.model.vision import ImagePrompt
     from tokenmill.sampling.grammar import Grammar
 
 FINISH_LENGTH = "length"
@@ -57,6 +58,8 @@ class GenerationRequest:
     """vLLM's: the model's end-of-sequence tokens do not end it (they are kept in its output)."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: generating one of these ends it, as a stop sequence would."""
+    images: ImagePrompt | None = None
+    """The prompt's images, for a vision-language model (their pixels, and the positions their embeddings take)."""
 
     @property
     def cache_partition(self) -> str | None:
@@ -181,6 +184,9 @@ class Sequence:
         detokenizer), set when admitted."""
         self.speculation: Any = None
         """Its drafting with ``--speculate`` (``tokenmill.engine.speculation.DraftState``), set when it first drafts."""
+        self.image_embeddings: Any = None
+        """With images (``request.images``): their embeddings, one row per image token, set by the runner the
+        first time it prefills them; a preemption keeps them, so a recompute does not encode the images again."""
 
     @property
     def prompt_len(self) -> int:

@@ -170,7 +170,8 @@ class InfoRoute:
             "quantize": loaded.quantization if loaded else config.quantize,
             "num_shard": config.num_shard,
             "model_device_type": loaded.device.type if loaded else None,
-            "model_pipeline_tag": PIPELINE_TAGS.get(config.task, "text-generation"),
+            "model_pipeline_tag": ("image-text-to-text" if loaded and loaded.processor is not None
+                                   else PIPELINE_TAGS.get(config.task, "text-generation")),
             "task": config.task,
             "max_concurrent_requests": config.max_concurrent_requests,
             "max_best_of": config.max_best_of,
@@ -183,6 +184,8 @@ class InfoRoute:
             "max_top_n_tokens": config.max_top_n_tokens,
             "validation_workers": config.validation_workers,
             "max_client_batch_size": config.max_client_batch_size,
+            "takes_images": bool(loaded and loaded.processor is not None),
+            "max_images": config.max_images if loaded and loaded.processor is not None else 0,
             "speculate": config.speculate,
             "router": "tokenmill",
             "version": __version__,

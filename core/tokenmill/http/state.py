@@ -30,6 +30,7 @@ from tokenmill.model.compile import Compiler
 from tokenmill.model.loading import LoadedModel, ModelLoadError, Stages
 from tokenmill.model.lora import Adapter, AdapterBusy, AdapterError
 from tokenmill.model.sharding import ShardProcesses
+from tokenmill.model.vision import worker_vision
 from tokenmill.observability.metrics import Metrics
 from tokenmill.observability.telemetry import Telemetry
 from tokenmill.plugin_manager import Chosen
@@ -146,12 +147,13 @@ class ServerState:
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off
         self.compiler = started.compiler
-        adapters, config = started.adapters, self.config
+        adapters, config, loaded = started.adapters, self.config, started.loaded
         self.workers.start(lambda tokenizer: Validator(
             tokenizer, config, started.vocab_size,
             adapter_names=(lambda: adapters.names) if adapters is not None else None,
-            model_id=started.loaded.model_id, unavailable_reason=started.engine.unavailable_reason),
-            started.loaded.tokenizer)
+            model_id=loaded.model_id, unavailable_reason=started.engine.unavailable_reason,
+            vision=worker_vision(loaded.processor, tokenizer, loaded.model.config) if loaded.processor else None),
+            loaded.tokenizer)
         self._start(started.engine)
         if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
             self.compiler.start()

@@ -50,6 +50,8 @@ class LoadedModel:
     """The quantizer that loaded or quantized the weights, or None."""
     dtype_reason: str = ""
     """Why the weights run in ``dtype`` (:class:`tokenmill.model.dtypes.DtypeChoice`)."""
+    processor: Any = None
+    """A vision-language model's processor (:mod:`tokenmill.model.vision`); None for a text model."""
 
 
 StageObserver = Callable[[str, float, str], None]
@@ -250,8 +252,10 @@ def load_model(
     """Resolve, download or convert when needed, and load the model and tokenizer. ``pick_quantizer(path)``
     names the quantizer plugin for the checkpoint (None: full precision); hub downloads go to ``hub_cache``
     (None: the hub client's default cache)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as transformers_logging
+
+    from tokenmill.model.vision import load_processor, takes_images, vision_unavailable_reason
 
     transformers_logging.disable_progress_bar()  # progress bars are noise in a server's log
     stages = stages or Stages()
@@ -261,24 +265,36 @@ def load_model(
     dtype = choice.dtype
     quantizer = pick_quantizer(path) if pick_quantizer else None
 
-    def load() -> tuple[Any, Any]:
+    def load() -> tuple[Any, Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        processor = None
+        model_class: Any = AutoModelForCausalLM
+        if takes_images(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)):
+            if quantizer is not None:
+                raise ModelLoadError(f"--quantize {quantizer.name}: vision-language models load unquantized here")
+            model_class = AutoModelForImageTextToText
+            processor = load_processor(path, trust_remote_code)
+            tokenizer = processor.tokenizer  # the one that knows the image placeholder
+            if not getattr(tokenizer, "chat_template", None):
+                tokenizer.chat_template = getattr(processor, "chat_template", None)
         model = quantizer.load(path, dtype, device, attn_implementation, trust_remote_code) if quantizer else None
         if model is None:
             extra = quantizer.from_pretrained_kwargs(dtype, device) if quantizer else {}
-            model = AutoModelForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
                 **extra)
             if getattr(model, "hf_quantizer", None) is None:  # transformers places quantized models itself
                 model = model.to(device)
-        return tokenizer, model.eval()
+        return tokenizer, model.eval(), processor
 
-    tokenizer, model = stages.run("loading weights", load, detail=f"{path} ({dtype}, {device})")
+    tokenizer, model, processor = stages.run("loading weights", load, detail=f"{path} ({dtype}, {device})")
+    if processor is not None and (reason := vision_unavailable_reason(model)):
+        raise ModelLoadError(f"{reason}; vision-language models tested here: LLaVA, Idefics3 and SmolVLM")
     if quantizer is not None:
         done = stages.run("quantizing", lambda: quantizer.quantize(model), detail=quantizer.name)
         log.info("quantized with %s: %s", quantizer.name, done or "as loaded")
     return LoadedModel(model, tokenizer, display_id, path, dtype, device, stages.done,
-                       quantizer.name if quantizer else None, choice.reason)
+                       quantizer.name if quantizer else None, choice.reason, processor)
 
 
 def generation_eos(path: Any, model_config: Any) -> Any:

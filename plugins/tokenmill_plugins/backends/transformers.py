@@ -17,6 +17,7 @@ import tokenmill
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
 from tokenmill.model.lora import adapter_rows
+from tokenmill.model.vision import sequence_images
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +91,11 @@ class TransformersRunner(BackendRunner):
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self.kv.new_cache(self.model.config)
         keep_all = any(want_prompt_logits)
+        embeds = self._with_images(ids, seqs)
         with adapter_rows(self.model, seqs, [ids.shape[1]] * len(seqs)):  # each row, padding included
             out = self.model(
-                input_ids=ids,
+                input_ids=ids if embeds is None else None,
+                inputs_embeds=embeds,
                 attention_mask=mask,
                 position_ids=_positions(mask),
                 cache=cache,
@@ -109,6 +112,19 @@ class TransformersRunner(BackendRunner):
         )
         self._join(seqs, cache, mask)  # last: a failure above leaves the running batch as it was
         return result
+
+    def _with_images(self, ids: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The prompts' input embeddings with their image embeddings at the image tokens' positions; None
+        when none of them has images."""
+        if all(seq.request.images is None for seq in seqs):
+            return None
+        embeds = self.model.get_input_embeddings()(ids)
+        for row, seq in enumerate(seqs):
+            if seq.request.images is not None:
+                offset = ids.shape[1] - seq.total_len  # left padding
+                rows = [offset + position for position in seq.request.images.positions]
+                embeds[row, rows] = sequence_images(self.model, seq).to(embeds.dtype)
+        return embeds
 
     def _join(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:
         if self.cache is None:

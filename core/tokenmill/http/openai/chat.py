@@ -30,24 +30,41 @@ class ChatError(ValueError):
     """The conversation or its tools cannot be turned into a prompt (answered with 422)."""
 
 
-def message_text(content: str | list[ContentPart] | None, where: str) -> str:
-    """A message's content as text: a string, or the text parts of a content list."""
+def message_text(content: str | list[ContentPart] | None, where: str, placeholder: str | None = None) -> str:
+    """A message's content as text: a string, or the parts of a content list, each image part as
+    ``placeholder`` (the text naming an image for a vision-language model; None: images are refused)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if any(part.type != "text" or part.text is None for part in content):
-        raise ChatError(f"`{where}`: only text content parts are supported")
-    return "".join(part.text or "" for part in content)
+    texts = []
+    for j, part in enumerate(content):
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type == "image_url" and part.image_url is not None:
+            if placeholder is None:
+                raise ChatError(f"`{where}[{j}]`: this model takes no images (it is not a vision-language model)")
+            texts.append(placeholder)
+        else:
+            raise ChatError(f"`{where}[{j}]`: a content part is {{\"type\": \"text\", \"text\": ...}}"
+                            + (' or {"type": "image_url", "image_url": {"url": ...}}' if placeholder else ""))
+    return "".join(texts)
 
 
-def parse_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Checked messages as the chat template expects them: role and text content (and tool calls)."""
+def message_images(messages: list[Message]) -> list[str]:
+    """The URLs of the conversation's image parts, in order (as :func:`message_text` placed them)."""
+    return [part.image_url.url for message in messages if isinstance(message.content, list)
+            for part in message.content if part.type == "image_url" and part.image_url is not None]
+
+
+def parse_messages(messages: list[Message], placeholder: str | None = None) -> list[dict[str, Any]]:
+    """Checked messages as the chat template expects them: role and text content (and tool calls), each
+    image part as ``placeholder`` in the text (None: the model takes no images)."""
     parsed = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if message.content is None and message.tool_calls is None:  # only an assistant's tool calls go without
             raise ChatError(f"`{where}` must have `content` (or, from the assistant, `tool_calls`)")
         entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                 "content": message_text(message.content, f"{where}.content")}
+                                 "content": message_text(message.content, f"{where}.content", placeholder)}
         if message.tool_calls is not None:
             if message.role != "assistant":
                 raise ChatError(f"`{where}.tool_calls` may only be on an assistant message")
@@ -161,13 +178,14 @@ def tools_instruction(tools: list[Tool], text_allowed: bool, parallel: bool = Tr
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool], text_allowed: bool,
                   parallel: bool = True, template_kwargs: dict[str, Any] | None = None,
                   tool_prompt: str | None = None, native: bool = False, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False) -> str:
+                  continue_final_message: bool = False, placeholder: str | None = None) -> str:
     """The prompt text for ``messages``: the chat template with the assistant's turn opened.
     ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are extra variables the template sees;
     ``tool_prompt`` (TGI's) leads in the tools. ``native``: the template alone shows the tools, and
     the model calls them in its own format (no system message about the grammar's). A chat request
     always opens the assistant's turn; vLLM's ``/tokenize`` may ask for neither or to continue the
-    last message."""
+    last message. ``placeholder``: a vision-language model's image text, which its template takes as
+    ``{"type": "image"}`` parts (every message's content becomes a list of parts, as such templates expect)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatError("this model's tokenizer has no chat template: use /v1/completions or /generate with a prompt")
@@ -181,6 +199,8 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
         messages = _with_system_note(messages, tools_instruction(tools, text_allowed, parallel, tool_prompt))
     if tools and (native or "tools" in template):
         kwargs["tools"] = [tool.as_openai() for tool in tools]
+    if placeholder is not None:
+        messages = [_as_parts(m, placeholder) for m in messages]
     try:
         if continue_final_message:
             kwargs["continue_final_message"] = True
@@ -188,6 +208,18 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[To
                                              not continue_final_message, tokenize=False, **kwargs)
     except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises on a bad conversation
         raise ChatError(f"the chat template refused the conversation: {error}") from None
+
+
+def _as_parts(message: dict[str, Any], placeholder: str) -> dict[str, Any]:
+    """A message whose text content is split into text parts and ``{"type": "image"}`` parts."""
+    pieces = message["content"].split(placeholder)
+    parts: list[dict[str, Any]] = []
+    for index, piece in enumerate(pieces):
+        if index:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return {**message, "content": parts}
 
 
 def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,11 @@ from typing import Any
 from tokenmill import __version__
 from tokenmill.engine.sequence import FinalResult, GenerationRequest
 from tokenmill.http.context import Caller
+from tokenmill.http.images import placeholder
 from tokenmill.http.openai.chat import (
     ChatError,
     Tool,
+    message_images,
     parse_messages,
     parse_tools,
     render_prompt,
@@ -148,12 +150,13 @@ def render_chat(validator: Validator, request: ChatRequest, chat_format: ChatFor
     """The prompt the chat template makes of ``request``, its tools shown as ``chat_format`` says."""
     parallel = request.parallel_tool_calls is not False  # OpenAI's and vLLM's default
     try:
-        messages = parse_messages(request.messages)
+        image = placeholder(validator.vision)
+        messages = parse_messages(request.messages, image)
         offered, text_allowed = tools_to_offer(parse_tools(request.tools or []), request.tool_choice)
         native = bool(offered) and text_allowed and chat_format.native_tools
         variables = template_kwargs(validator.tokenizer, request.chat_template_kwargs)
         prompt = render_prompt(validator.tokenizer, messages, offered, text_allowed, parallel, variables,
-                               request.tool_prompt, native=native)
+                               request.tool_prompt, native=native, placeholder=image)
     except ChatError as error:
         raise ValidationError(str(error)) from None
     return RenderedChat(prompt, offered, text_allowed, native, parallel)
@@ -194,7 +197,7 @@ def parse_chat(validator: Validator, request: ChatRequest, model: str, caller: C
     if grammar is not None and reasoning is not None and reasoning.thinks(prompt):
         grammar = validator.grammars.after_free_text(grammar, reasoning.end)  # the answer, not the thinking
     generation = validator.generate(prompt, params, request.stream, add_special_tokens=False, max_top_n=max_top_n,
-                                    grammar=grammar, tenant=caller.tenant)
+                                    grammar=grammar, tenant=caller.tenant, image_urls=message_images(request.messages))
     output = OutputFormat(tuple(offered), (chat_format.tool_parser if chat.native else chat_format.forced) if offered
                           else None, reasoning, reasoning is not None and reasoning.starts_reasoning(prompt), parallel)
     return OpenAIJob([generation], n, request.stream, include_usage(request), bool(request.logprobs),

@@ -105,9 +105,16 @@ class SamplingFields(RequestModel):
 # --- chat requests ----------------------------------------------------------------------------------
 
 
+class ImageUrl(RequestModel):
+    url: String = Field(description="A data URL (data:image/png;base64,...), or an http(s) URL where the server "
+                                    "fetches them (--allow-image-urls)")
+    detail: String | None = Field(None, description="OpenAI's; not used")
+
+
 class ContentPart(RequestModel):
-    type: String = Field(description='"text" (the only kind this server reads)')
+    type: String = Field(description='"text", or "image_url" for a vision-language model')
     text: String | None = None
+    image_url: ImageUrl | None = None
 
 
 Content = Annotated[String | list[ContentPart], one_of("a string or a list of content parts")]

@@ -42,6 +42,8 @@ class Info(ResponseModel):
     max_top_n_tokens: int | None = None
     validation_workers: int = Field(ge=0)
     max_client_batch_size: int = Field(ge=0)
+    takes_images: bool = Field(False, description="Whether the model is a vision-language model that reads images")
+    max_images: int = Field(0, ge=0, description="Most images per request (--max-images; 0 where it takes none)")
     speculate: int | None = Field(None, ge=0, description="Draft tokens per sequence and step (--speculate; 0: off)")
     router: str
     version: str

@@ -12,6 +12,7 @@ from tokenmill.engine.sequence import ErrorEvent, FinalResult, GenerationRequest
 from tokenmill.http.body import read_json
 from tokenmill.http.context import HANDED_SLOT, Caller, caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
+from tokenmill.http.images import markdown_images
 from tokenmill.http.schemas import ValidationError, check_body
 from tokenmill.http.state import Slot
 from tokenmill.http.tgi.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest
@@ -83,7 +84,8 @@ class GenerateRoute:
             request = check_body(shape, body)
             params = with_priority(request.parameters, caller)
             stream = self.stream if self.stream is not None else bool(request.stream)
-            return validator.generate(request.inputs, params, stream, tenant=caller.tenant), stream
+            inputs, images = markdown_images(request.inputs, validator.vision)
+            return validator.generate(inputs, params, stream, tenant=caller.tenant, image_urls=images), stream
 
         return await self.generation.validate(checked)
 

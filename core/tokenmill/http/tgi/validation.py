@@ -10,8 +10,10 @@ from dataclasses import fields
 
 from tokenmill.config import Config
 from tokenmill.engine.sequence import GenerationRequest, SamplingParams
+from tokenmill.http.images import image_prompt
 from tokenmill.http.schemas import ValidationError
 from tokenmill.http.tgi.schemas import GenerateParameters
+from tokenmill.model.vision import Vision
 from tokenmill.sampling.grammar import Grammar, GrammarCompiler, GrammarError, grammar_from_parameter
 from tokenmill.sampling.sampler import uses_sampling
 
@@ -44,7 +46,8 @@ class Validator:
 
     def __init__(self, tokenizer: object, config: Config, vocab_size: int,
                  adapter_names: Callable[[], list[str]] | None = None, model_id: str | None = None,
-                 unavailable_reason: Callable[[GenerationRequest], str | None] | None = None) -> None:
+                 unavailable_reason: Callable[[GenerationRequest], str | None] | None = None,
+                 vision: Vision | None = None) -> None:
         assert config.max_input_tokens is not None and config.max_total_tokens is not None
         self.tokenizer = tokenizer
         self.config = config
@@ -53,14 +56,16 @@ class Validator:
         self.adapter_names = adapter_names  # the LoRA adapters served now (None: the server serves none)
         self.model_id = model_id  # the base model's id, which as ``adapter_id`` means no adapter
         self.unavailable_reason = unavailable_reason  # the engine's word on a valid request it cannot run
+        self.vision = vision  # a vision-language model's processor (None: the model takes no images)
 
     def generate(self, inputs: str, params: GenerateParameters, stream: bool, *, add_special_tokens: bool = True,
                  max_top_n: int | None = None, grammar: Grammar | None = None,
-                 input_ids: list[int] | None = None, tenant: str | None = None) -> GenerationRequest:
+                 input_ids: list[int] | None = None, tenant: str | None = None,
+                 image_urls: Sequence[str] = ()) -> GenerationRequest:
         """A GenerationRequest for the engine, or ValidationError with TGI's message. The OpenAI routes pass
         a rendered chat prompt (special tokens in its text), their top-logprobs limit, the grammar they
         compiled, and a prompt given as token ids (``input_ids``; ``inputs`` is then their text). ``tenant``:
-        who sent it (its prefix-cache part, without a ``cache_salt``)."""
+        who sent it (its prefix-cache part, without a ``cache_salt``). ``image_urls``: the images it names."""
         config, sampling = self.config, sampling_params(params, self.vocab_size)
         max_top_n = config.max_top_n_tokens if max_top_n is None else max_top_n
         self._check_limits(params, sampling, stream, max_top_n)
@@ -70,6 +75,8 @@ class Validator:
             except GrammarError as error:
                 message = str(error) if str(error).startswith("`grammar") else f"`grammar`: {error}"
                 raise ValidationError(message) from None
+        input_ids, images = (image_prompt(self.vision, config, inputs, image_urls, add_special_tokens, params.truncate)
+                             if image_urls else (input_ids, None))
         input_ids = self._prompt(inputs, input_ids, add_special_tokens, params.truncate)
         max_new_tokens = params.max_new_tokens or config.max_total_tokens - len(input_ids)
         if len(input_ids) + max_new_tokens > config.max_total_tokens:
@@ -89,7 +96,7 @@ class Validator:
             # The salt keeps tenants apart: it stays out of what hooks and the request log see.
             parameters=params.model_dump(exclude_unset=True, exclude={"cache_salt"}), cache_salt=params.cache_salt,
             ignore_eos=params.ignore_eos, adapter_id=self.adapter(params.adapter_id, "adapter_id"), tenant=tenant,
-            stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+            stop_token_ids=tuple(dict.fromkeys(stop_ids)), images=images)
         refused = self.unavailable_reason(request) if self.unavailable_reason is not None else None
         if refused:
             raise ValidationError(refused)

@@ -175,7 +175,8 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     from transformers import AutoTokenizer
 
     from tokenmill.model.dtypes import checkpoint_choice
-    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device
+    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, ModelLoadError, checkpoint_config, pick_device
+    from tokenmill.model.vision import takes_images
 
     device = pick_device()
     if device.type == "cuda":
@@ -186,6 +187,9 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
                detail=f"{world_size} shards at {config.master_addr}:{config.master_port}")
     path, model_config = stages.run("resolving", lambda: checkpoint_config(config.model_id, config.revision),
                                     detail=str(config.model_id or "default"))
+    if takes_images(model_config):
+        raise ModelLoadError(f"{type(model_config).__name__} is a vision-language model: it runs on one shard "
+                             "(the shards split the language model, not the vision encoder); use --num-shard 1")
     shard = plan_slice(model_config, 0, world_size)
     choice = checkpoint_choice(config.dtype, device, path)
     dtype = choice.dtype

@@ -21,6 +21,7 @@ from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, BlockP
 from tokenmill.kernels.accelerators import flash_attn_unavailable_reason
 from tokenmill.model.compat import packed_steps_unavailable_reason
 from tokenmill.model.kv_memory import model_kv_shape
+from tokenmill.model.vision import takes_images
 from tokenmill_plugins.backends.paged.attention import ATTENTION_NAME, paged_attention_forward
 from tokenmill_plugins.backends.paged.runner import PagedRunner
 
@@ -45,7 +46,8 @@ class PagedBackend(Backend):
         from transformers import AttentionInterface  # here, not at the top: importing it costs seconds
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-        model.set_attn_implementation(ATTENTION_NAME)
+        # A vision tower keeps its own attention: only the language model's attends over the blocks.
+        model.set_attn_implementation({"text_config": ATTENTION_NAME} if takes_images(model.config) else ATTENTION_NAME)
         return PagedRunner(model, kv_store, attention)
 
 

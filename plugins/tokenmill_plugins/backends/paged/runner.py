@@ -25,6 +25,7 @@ from tokenmill.interfaces import (
 )
 from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.lora import adapter_rows, lora_batch
+from tokenmill.model.vision import sequence_images
 from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,9 @@ class PagedRunner(BackendRunner):
         wants = list(want_prompt_logits) + [bool(draft) for draft in fed]
         keep = [torch.arange(start, start + n) if want else torch.tensor([start + n - 1])
                 for start, n, want in zip(step.query_starts, lengths, wants)]
+        embeds = self._with_images(input_ids, prefill, starts, chunks, step.query_starts)
         with adapter_rows(self.model, prefill + decode, lengths):
-            logits = self._forward(input_ids, positions, step, torch.cat(keep))
+            logits = self._forward(input_ids, positions, step, torch.cat(keep), embeds)
         bounds = [0]
         for kept in keep:
             bounds.append(bounds[-1] + len(kept))
@@ -156,10 +158,36 @@ class PagedRunner(BackendRunner):
         as_row = lambda values: torch.tensor([values], dtype=torch.long, device=self.device)  # noqa: E731
         return step, as_row(tokens), as_row(positions)
 
+    def _with_images(self, input_ids: torch.Tensor, prefill: list[Any], starts: list[int], chunks: list[int],
+                     query_starts: list[int]) -> torch.Tensor | None:
+        """The step's input embeddings with its prompts' image embeddings at their image tokens' positions
+        (each prompt's images encoded the first time it prefills); None when no chunk of the step holds one."""
+        placed: list[tuple[list[int], torch.Tensor]] = []
+        for seq, start, row_start, length in zip(prefill, starts, query_starts, chunks):
+            images = seq.request.images
+            if images is None:
+                continue
+            first, last = images.placed_before(start), images.placed_before(start + length)
+            if first == last:
+                continue
+            rows = [row_start + position - start for position in images.positions[first:last]]
+            placed.append((rows, sequence_images(self.model, seq)[first:last]))
+        if not placed:
+            return None
+        embeds = self.model.get_input_embeddings()(input_ids)
+        for rows, values in placed:
+            embeds[0, rows] = values.to(embeds.dtype)
+        return embeds
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
-                 keep: torch.Tensor) -> torch.Tensor:
+                 keep: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         keep = keep.to(self.device)
-        out = self._compiled_forward(input_ids, positions, step, keep) if self.compiled is not None else None
+        out = None
+        if embeds is not None:  # image embeddings: the eager forward, which takes them in place of token ids
+            out = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=keep,
+                             paged_step=step)
+        elif self.compiled is not None:
+            out = self._compiled_forward(input_ids, positions, step, keep)
         if out is None:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
                              paged_step=step)

@@ -1,0 +1,182 @@
+"""Vision-language checkpoints: their processor, a prompt's images as the model takes them, and the encoder.
+
+A checkpoint whose config has a ``vision_config`` loads with ``AutoModelForImageTextToText`` and its
+``AutoProcessor``. A prompt names each image with the processor's placeholder (``<image>``); the processor
+expands each into the image's tokens and makes its pixels. The vision encoder turns the pixels into one
+embedding per image token (:func:`encode_images`), once per request; the language model then takes those
+embeddings at the image tokens' positions in place of the token embeddings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_IMAGE_PIXELS = 40_000_000
+"""The most pixels an image may decode to (width × height): a small compressed file can claim far more
+(a decompression bomb); it is refused from its header, before any pixel is decoded."""
+
+
+class ImageError(ValueError):
+    """An image that cannot be read (answered with 422)."""
+
+
+def takes_images(model_config: Any) -> bool:
+    """Whether ``model_config`` is a vision-language model's (a vision tower beside its language model)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+BIDIRECTIONAL_IMAGE_ATTENTION = frozenset({"gemma3", "gemma3n", "paligemma"})
+"""Families whose image tokens attend to each other both ways (a causal step over them would be wrong)."""
+
+
+def vision_unavailable_reason(model: Any) -> str | None:
+    """Why tokenmill cannot run the vision-language ``model`` (its steps feed the language model image
+    embeddings at the image tokens' positions, with plain positions and causal attention), or None."""
+    name, config = type(model).__name__, model.config
+    if any(hasattr(module, "get_rope_index") for module in (model, getattr(model, "model", None)) if module):
+        return f"{name} places image tokens with multimodal rotary positions (M-RoPE), which tokenmill does not compute"
+    if config.model_type in BIDIRECTIONAL_IMAGE_ATTENTION:
+        return f"{name} lets image tokens attend to each other both ways, which tokenmill's causal steps do not"
+    if getattr(config.get_text_config(), "cross_attention_layers", None):
+        return f"{name} reads images through cross-attention layers, which tokenmill does not run"
+    if not hasattr(model, "get_image_features"):
+        return f"{name} has no get_image_features (its vision encoder cannot run apart from its language model)"
+    return None
+
+
+def image_token_id(model_config: Any) -> int:
+    """The token id the model's image embeddings replace (``image_token_id``, LLaVA's older ``image_token_index``)."""
+    token_id = getattr(model_config, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(model_config, "image_token_index", None)
+    if token_id is None:
+        raise ValueError(f"{type(model_config).__name__} names no image token (image_token_id)")
+    return int(token_id)
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An image a request sent, decoded, and the digest of its bytes (what the prefix cache keys it by)."""
+
+    image: Any
+    """A ``PIL.Image.Image`` in RGB."""
+    digest: bytes
+
+
+def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> DecodedImage:
+    """Pillow's reading of ``data``, or :class:`ImageError` when it is no image or claims over ``max_pixels``."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ImageError(f"an image of {width}×{height} pixels is over the {max_pixels:,} pixels allowed")
+        image = image.convert("RGB")  # decodes it (and the first frame of an animation)
+    except ImageError:
+        raise
+    except Exception as error:  # noqa: BLE001 - Pillow raises many kinds for damaged or unknown data
+        raise ImageError(f"the image cannot be decoded ({type(error).__name__}: {error})") from None
+    return DecodedImage(image, hashlib.blake2b(data, digest_size=16).digest())
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt's images as its model takes them."""
+
+    pixels: dict[str, torch.Tensor]
+    """What the processor made of the images besides the text: ``pixel_values`` and the family's extras
+    (``pixel_attention_mask``, ``image_sizes``...), each with the request's images as its first axis
+    (or in a batch of one, as the family's ``get_image_features`` takes them)."""
+    token_id: int
+    """The placeholder token whose positions take the image embeddings."""
+    positions: tuple[int, ...]
+    """The prompt positions holding ``token_id``, in order: the i-th takes the i-th embedding."""
+    digest: bytes
+    """The digest of every image, in order: blocks from the first image token on are cached under it."""
+    count: int
+
+    def placed_before(self, position: int) -> int:
+        """How many image embeddings go to positions before ``position``."""
+        import bisect
+
+        return bisect.bisect_left(self.positions, position)
+
+
+class Vision:
+    """A vision-language model's processor, used to turn a prompt and its images into token ids and pixels.
+    Not thread-safe (its tokenizer): each validation worker holds its own."""
+
+    def __init__(self, processor: Any, model_config: Any) -> None:
+        self.processor = processor
+        self.token_id = image_token_id(model_config)
+        self.placeholder: str = getattr(processor, "image_token", None) or "<image>"
+        """The text that names an image in a prompt; the processor expands each into the image's tokens."""
+
+    def prompt(self, text: str, images: Sequence[DecodedImage],
+               add_special_tokens: bool = True) -> tuple[list[int], ImagePrompt]:
+        """``text``'s token ids with each placeholder expanded, and its images' pixels. ``text`` must hold
+        one placeholder per image (:class:`ImageError` otherwise)."""
+        named = text.count(self.placeholder)
+        if named != len(images):
+            raise ImageError(f"the prompt names {named} image{'s' * (named != 1)} ({self.placeholder}) "
+                             f"for {len(images)} sent")
+        try:
+            batch = self.processor(text=[text], images=[[decoded.image for decoded in images]],
+                                   add_special_tokens=add_special_tokens, return_tensors="pt")
+        except Exception as error:  # noqa: BLE001 - processors raise many kinds on images they cannot take
+            raise ImageError(f"the model's processor refused the images ({type(error).__name__}: {error})") from None
+        ids = batch["input_ids"][0].tolist()
+        pixels = {key: value for key, value in batch.items()
+                  if key not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+                  and isinstance(value, torch.Tensor)}
+        positions = tuple(i for i, token in enumerate(ids) if token == self.token_id)
+        digest = hashlib.blake2b(b"".join(decoded.digest for decoded in images), digest_size=16).digest()
+        return ids, ImagePrompt(pixels, self.token_id, positions, digest, len(images))
+
+
+def worker_vision(processor: Any, tokenizer: Any, model_config: Any) -> Vision:
+    """A :class:`Vision` for one validation worker: ``processor`` with that worker's own copy of the tokenizer
+    (the image preprocessing, which keeps no state, is shared)."""
+    import copy
+
+    own = copy.copy(processor)
+    own.tokenizer = tokenizer
+    return Vision(own, model_config)
+
+
+def load_processor(path: Any, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's processor (image preprocessing and the tokenizer that expands image placeholders)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def encode_images(model: Any, prompt: ImagePrompt) -> torch.Tensor:
+    """``[len(prompt.positions), hidden]``: the language model's input embeddings for ``prompt``'s image
+    tokens, from the model's vision tower and projector. ValueError when the count does not match."""
+    device, dtype = model.device, model.get_input_embeddings().weight.dtype
+    pixels = {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
+              for key, value in prompt.pixels.items()}
+    output = model.get_image_features(**pixels, return_dict=True)
+    features = getattr(output, "pooler_output", output)
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    features = features.reshape(-1, features.shape[-1]).to(dtype)
+    if len(features) != len(prompt.positions):
+        raise ValueError(f"the vision encoder made {len(features)} embeddings for {len(prompt.positions)} image tokens")
+    return features
+
+
+def sequence_images(model: Any, seq: Any) -> torch.Tensor:
+    """A sequence's image embeddings (``seq.image_embeddings``), encoded the first time they are asked for:
+    kept through a preemption, so a recompute does not encode the images again."""
+    if seq.image_embeddings is None:
+        seq.image_embeddings = encode_images(model, seq.request.images)
+    return seq.image_embeddings

@@ -1,0 +1,329 @@
+"""Images in, text out: tiny random LLaVA and Idefics3 checkpoints served on the paged backend (and the
+transformers one) answer as transformers' own ``generate`` does on the same images, through TGI's markdown
+form, OpenAI's ``image_url`` parts, the openai client and huggingface_hub's InferenceClient."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RunningServer, start_server
+from vision_models import data_url, random_image, reference_tokens, save_tiny_idefics3, save_tiny_llava
+
+LLAVA_PROMPT = "<|im_start|>user\n{image}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
+CHAT_PROMPT = LLAVA_PROMPT.format(image="<image>")  # what the chat template renders for one image and that text
+LONG_SYSTEM = "You are a careful assistant who describes pictures for people who cannot see them. " * 4
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
+
+
+def serve(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> RunningServer:
+    return start_server(["--model-id", str(model_dir), "--server", "uvicorn", "--dtype", "float32",
+                         "--max-images", "2", *extra], tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """LLaVA on the paged backend, its prompts prefilled 16 tokens a step: an image's tokens span two steps."""
+    server = serve(llava_dir, tmp_path_factory, "--backend", "paged", "--max-batch-prefill-tokens", "16")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def idefics3(idefics3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = serve(idefics3_dir, tmp_path_factory, "--backend", "paged")
+    yield server
+    server.stop()
+
+
+def generate(server: RunningServer, inputs: str, max_new_tokens: int = 8) -> list[int]:
+    with server.client() as client:
+        response = client.post("/generate", json={"inputs": inputs, "parameters": {
+            "max_new_tokens": max_new_tokens, "details": True}})
+    assert response.status_code == 200, response.text
+    return [token["id"] for token in response.json()["details"]["tokens"]]
+
+
+def chat(server: RunningServer, content: list[dict[str, Any]], max_tokens: int = 8,
+         system: str | None = None) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    with server.client() as client:
+        return client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens,
+                                                         "temperature": 0})
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+# --- answers equal transformers' generate ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_the_paged_backend_answers_as_transformers_generate_does_on_the_same_image(
+        family: str, request: pytest.FixtureRequest) -> None:
+    server, model_dir = request.getfixturevalue(family), request.getfixturevalue(f"{family}_dir")
+    image = random_image(0)
+    served = generate(server, LLAVA_PROMPT.format(image=f"![]({data_url(image)})"))
+    assert served == reference_tokens(model_dir, CHAT_PROMPT, [image], 8)
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_different_images_give_different_answers(family: str, request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue(family)
+    answers = {tuple(generate(server, LLAVA_PROMPT.format(image=f"![]({data_url(random_image(seed))})")))
+               for seed in (1, 2, 3)}
+    assert len(answers) == 3
+
+
+def test_an_image_url_part_in_a_chat_reaches_the_same_prompt(llava: RunningServer, llava_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    image = random_image(4)
+    response = chat(llava, [image_part(data_url(image)), text_part("What is in this picture?")])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = reference_tokens(llava_dir, CHAT_PROMPT, [image], 8)
+    tokenizer = AutoTokenizer.from_pretrained(llava_dir)
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == len(tokenizer(CHAT_PROMPT)["input_ids"]) - 1 + 16  # 16 image tokens
+
+
+def test_two_images_in_one_message_each_take_their_place(idefics3: RunningServer, idefics3_dir: Path) -> None:
+    first, second = random_image(5), random_image(6, (30, 70))
+    served = generate(idefics3, f"<|im_start|>user\n![]({data_url(first)})and ![]({data_url(second)})?<|im_end|>\n")
+    assert served == reference_tokens(idefics3_dir, "<|im_start|>user\n<image>and <image>?<|im_end|>\n",
+                                      [first, second], 8)
+
+
+def test_concurrent_requests_with_and_without_images_each_get_their_own_answer(llava: RunningServer) -> None:
+    prompts = [LLAVA_PROMPT.format(image=f"![]({data_url(random_image(seed))})") for seed in range(4)]
+    prompts += ["<|im_start|>user\nHello there<|im_end|>\n", "Once upon a time"]
+    alone = [generate(llava, prompt) for prompt in prompts]
+    results: list[list[int]] = [[] for _ in prompts]
+
+    def run(index: int) -> None:
+        results[index] = generate(llava, prompts[index])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == alone
+
+
+# --- the prefix cache ---------------------------------------------------------------------------------
+
+
+def test_the_prefix_cache_never_gives_one_image_s_blocks_to_another(llava: RunningServer, llava_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    first, second = data_url(random_image(7)), data_url(random_image(8))
+    question = [image_part(first), text_part("What is in this picture?")]
+    before = chat(llava, question, system=LONG_SYSTEM)
+    other = chat(llava, [image_part(second), text_part("What is in this picture?")], system=LONG_SYSTEM)
+    again = chat(llava, question, system=LONG_SYSTEM)
+    for response in (before, other, again):
+        assert response.status_code == 200, response.text
+    with llava.client() as client:
+        block = client.get("/info").json()["block_size"]
+    prompt_tokens = before.json()["usage"]["prompt_tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(llava_dir)
+    text_before_image = len(tokenizer(f"<|im_start|>system\n{LONG_SYSTEM}<|im_end|>\n<|im_start|>user\n")["input_ids"])
+    cached_other = other.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached_again = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached_other <= text_before_image  # the system prompt's blocks, none holding an image token
+    assert cached_again >= (prompt_tokens - 1) // block * block > cached_other  # the same image: its blocks too
+    assert again.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+    assert other.json()["choices"][0]["message"] != before.json()["choices"][0]["message"]
+
+
+# --- the clients' forms ---------------------------------------------------------------------------------
+
+
+def test_the_openai_client_sends_an_image_url_part(llava: RunningServer) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{llava.url}/v1", api_key="none")
+    completion = client.chat.completions.create(model="tgi", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Describe it."},
+                                     {"type": "image_url", "image_url": {"url": data_url(random_image(9))}}]}])
+    assert completion.choices[0].message.content
+    assert completion.usage.prompt_tokens > 16
+
+
+def test_huggingface_hub_s_inference_client_sends_an_image_part(llava: RunningServer) -> None:
+    hub = pytest.importorskip("huggingface_hub")
+    client = hub.InferenceClient(base_url=llava.url)
+    output = client.chat_completion(max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(random_image(10))}},
+                                     {"type": "text", "text": "Describe it."}]}])
+    assert output.choices[0].message.content
+
+
+def test_info_says_the_model_takes_images(llava: RunningServer) -> None:
+    with llava.client() as client:
+        info = client.get("/info").json()
+    assert info["takes_images"] is True and info["max_images"] == 2
+    assert info["model_pipeline_tag"] == "image-text-to-text"
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+
+def refused(server: RunningServer, content: list[dict[str, Any]]) -> str:
+    response = chat(server, content)
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["error_type"] == "validation"
+    return body["error"]
+
+
+def test_bad_base64_is_a_422(llava: RunningServer) -> None:
+    assert "base64" in refused(llava, [image_part("data:image/png;base64,not*base64")])
+
+
+def test_bytes_that_are_no_image_are_a_422(llava: RunningServer) -> None:
+    assert "cannot be decoded" in refused(llava, [image_part("data:image/png;base64,aGVsbG8gd29ybGQ=")])
+
+
+def test_more_images_than_max_images_is_a_422(llava: RunningServer) -> None:
+    url = data_url(random_image(11))
+    assert "up to 2 images" in refused(llava, [image_part(url)] * 3 + [text_part("?")])
+
+
+def test_a_decompression_bomb_is_refused_from_its_header(llava: RunningServer) -> None:
+    from PIL import Image
+
+    bomb = Image.new("1", (10_000, 5_000))  # 50 megapixels in a few kilobytes of PNG
+    assert "pixels is over" in refused(llava, [image_part(data_url(bomb))])
+
+
+def test_an_http_url_is_refused_without_allow_image_urls(llava: RunningServer) -> None:
+    assert "--allow-image-urls" in refused(llava, [image_part("http://example.com/cat.png")])
+
+
+def test_tgi_markdown_with_a_url_is_refused_the_same_way(llava: RunningServer) -> None:
+    with llava.client() as client:
+        response = client.post("/generate", json={"inputs": "![](https://example.com/cat.png)What is this?"})
+    assert response.status_code == 422 and "--allow-image-urls" in response.json()["error"]
+
+
+class _ImageHandler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://10.0.0.1/cat.png")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An http server on loopback that answers every path with a PNG (and /redirect with a private address)."""
+    import base64
+
+    _ImageHandler.body = base64.b64decode(data_url(random_image(12)).split(",", 1)[1])
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_with_allow_image_urls_a_loopback_address_is_still_refused(llava_dir: Path, image_host: str,
+                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = serve(llava_dir, tmp_path_factory, "--allow-image-urls")
+    try:
+        message = refused(server, [image_part(f"{image_host}/cat.png")])
+    finally:
+        server.stop()
+    assert "not a public address" in message
+
+
+def test_fetching_follows_the_operator_s_rule_for_each_address(image_host: str) -> None:
+    from tokenmill.http.images import fetch
+    from tokenmill.http.schemas import ValidationError
+
+    loopback = lambda address: address.is_loopback  # noqa: E731 - the stand-in's public internet
+    assert fetch(f"{image_host}/cat.png", loopback) == _ImageHandler.body
+    with pytest.raises(ValidationError, match="10.0.0.1, not a public address"):
+        fetch(f"{image_host}/redirect", loopback)
+
+
+def test_fetched_images_are_capped(image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.http import images
+    from tokenmill.http.schemas import ValidationError
+
+    monkeypatch.setattr(images, "MAX_FETCHED_BYTES", 100)
+    with pytest.raises(ValidationError, match="over 100 bytes"):
+        images.fetch(f"{image_host}/cat.png", lambda address: True)
+
+
+@pytest.mark.parametrize(("address", "public"), [
+    ("8.8.8.8", True), ("2606:4700::1111", True), ("127.0.0.1", False), ("10.1.2.3", False), ("192.168.0.1", False),
+    ("169.254.169.254", False), ("::1", False), ("::ffff:127.0.0.1", False), ("0.0.0.0", False), ("fd00::1", False),
+    ("224.0.0.1", False)])
+def test_only_public_addresses_are_fetched(address: str, public: bool) -> None:
+    import ipaddress
+
+    from tokenmill.http.images import is_public
+
+    assert is_public(ipaddress.ip_address(address)) is public
+
+
+def test_markdown_images_become_placeholders_in_order() -> None:
+    from tokenmill.http.images import markdown_images
+
+    text, urls = markdown_images("![](data:a)Look ![cat](https://x/y.png) at these", "<image>")
+    assert text == "<image>Look <image> at these" and urls == ["data:a", "https://x/y.png"]
+
+
+def test_an_image_part_for_a_text_model_is_a_clear_error() -> None:
+    from tokenmill.http.openai.chat import ChatError, parse_messages
+    from tokenmill.http.openai.schemas import Message
+
+    message = Message.model_validate({"role": "user", "content": [image_part("data:image/png;base64,AA==")]})
+    with pytest.raises(ChatError, match="this model takes no images"):
+        parse_messages([message])
+
+
+# --- the transformers backend ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_transformers_backend_answers_as_generate_does(llava_dir: Path,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = serve(llava_dir, tmp_path_factory, "--backend", "transformers")
+    try:
+        image = random_image(13)
+        served = generate(server, LLAVA_PROMPT.format(image=f"![]({data_url(image)})"))
+    finally:
+        server.stop()
+    assert served == reference_tokens(llava_dir, CHAT_PROMPT, [image], 8)

@@ -1,0 +1,117 @@
+"""Tiny random vision-language checkpoints (LLaVA, Idefics3) with SmolLM2's tokenizer, built with
+``save_pretrained``, and what transformers' own ``generate`` answers with them."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML, with image parts as ``<image>``, as the families' own templates write them."""
+
+
+def _tokenizer(*special: str) -> Any:
+    from transformers import AutoTokenizer
+
+    gguf = default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    return tokenizer
+
+
+def _text_config(vocab_size: int) -> dict[str, Any]:
+    return {"model_type": "llama", "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "tie_word_embeddings": True, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 2}
+
+
+def _randomized(model: Any) -> Any:
+    torch.manual_seed(0)
+    with torch.no_grad():  # wide weights: greedy tokens that differ from position to position and image to image
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3)
+    return model
+
+
+def save_tiny_llava(target: Path) -> Path:
+    """LLaVA: a CLIP tower on 32×32 pixels in 8×8 patches, so 16 image tokens an image."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _tokenizer("<image>")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=_text_config(len(tokenizer)),
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    _randomized(LlavaForConditionalGeneration(config)).save_pretrained(target)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(target)
+    return target
+
+
+def save_tiny_idefics3(target: Path) -> Path:
+    """Idefics3 (SmolVLM's architecture): a SigLIP tower whose images are split into 32×32 crops plus the
+    whole image, each crop 4 image tokens between its row/column markers."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = _tokenizer("<image>", "<fake_token_around_image>", "<global-img>")
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}
+    config = Idefics3Config(vision_config=vision, text_config=_text_config(len(tokenizer)), scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    _randomized(Idefics3ForConditionalGeneration(config)).save_pretrained(target)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                       do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(target)
+    return target
+
+
+def random_image(seed: int, size: tuple[int, int] = (50, 40)) -> Any:
+    """A ``size`` image of one random colour with noise over it (noise alone looks alike to a tiny tower)."""
+    import numpy as np
+    from PIL import Image
+
+    random = np.random.RandomState(seed)
+    colour = random.randint(0, 255, 3)
+    pixels = np.clip(colour + random.randint(-40, 40, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def data_url(image: Any, kind: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def reference_tokens(model_dir: Path, text: str, images: list[Any], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of transformers' ``generate`` for ``text`` (``<image>`` where each image goes)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = processor(text=[text], images=[images], return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, batch["input_ids"].shape[1]:].tolist()
