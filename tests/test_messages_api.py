@@ -116,7 +116,9 @@ def test_required_tool_use_is_held_to_a_valid_call(client):
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
-     "image blocks are not supported"),
+     '`messages[0].content[0].source` must be {"type": "base64"'),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "data:,"}}]}],
+      "max_tokens": 5}, "takes no images"),
     ({"messages": QUESTION, "max_tokens": 5, "tool_choice": {"type": "tool"}}, "needs the tool's `name`"),
 ])
 def test_a_bad_request_is_a_422_that_names_the_field(server, body, message):

@@ -101,7 +101,9 @@ def test_text_format_json_schema_holds_the_output_to_the_schema(client):
 
 @pytest.mark.parametrize("body, message", [
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "only text parts"),
+     "takes no images"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+     "only text parts and input_image"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "needs `call_id`"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),

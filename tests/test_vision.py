@@ -131,6 +131,30 @@ def test_concurrent_requests_with_and_without_images_each_get_their_own_answer(l
     assert results == alone
 
 
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_the_images_of_several_prompts_encode_together_as_each_alone(family: str,
+                                                                    request: pytest.FixtureRequest) -> None:
+    import base64
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.model.vision import Vision, decode_image, encode_images, load_processor
+
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vision = Vision(load_processor(model_dir), model.config)
+    decoded = [decode_image(base64.b64decode(data_url(random_image(seed)).split(",", 1)[1])) for seed in range(3)]
+    prompts = [vision.prompt("<image>Hi", [decoded[0]])[1], vision.prompt("<image>Hi", [decoded[1]])[1],
+               vision.prompt("<image> and <image>", decoded[1:])[1]]
+    with torch.inference_mode():
+        together = encode_images(model, prompts)
+        alone = [encode_images(model, [prompt])[0] for prompt in prompts]
+    for prompt, batched, single in zip(prompts, together, alone):
+        assert batched.shape == (len(prompt.positions), model.config.text_config.hidden_size)
+        torch.testing.assert_close(batched, single)
+
+
 # --- the prefix cache ---------------------------------------------------------------------------------
 
 
@@ -177,6 +201,32 @@ def test_huggingface_hub_s_inference_client_sends_an_image_part(llava: RunningSe
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(random_image(10))}},
                                      {"type": "text", "text": "Describe it."}]}])
     assert output.choices[0].message.content
+
+
+def test_the_responses_and_messages_apis_take_images_as_chat_does(llava: RunningServer) -> None:
+    url = data_url(random_image(15))
+    expected = chat(llava, [image_part(url), text_part("Describe it.")]).json()["choices"][0]["message"]["content"]
+    with llava.client() as client:
+        responses = client.post("/v1/responses", json={"max_output_tokens": 8, "temperature": 0, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                         {"type": "input_text", "text": "Describe it."}]}]})
+        messages = client.post("/v1/messages", json={"max_tokens": 8, "temperature": 0, "model": "tgi", "messages": [
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}},
+                {"type": "text", "text": "Describe it."}]}]})
+    assert responses.status_code == 200, responses.text
+    assert messages.status_code == 200, messages.text
+    assert responses.json()["output"][-1]["content"][0]["text"] == expected
+    assert messages.json()["content"][0]["text"] == expected
+
+
+def test_vllm_s_tokenize_counts_an_image_s_tokens_as_a_chat_does(llava: RunningServer) -> None:
+    content = [image_part(data_url(random_image(14))), text_part("What is in this picture?")]
+    answered = chat(llava, content)
+    with llava.client() as client:
+        tokenized = client.post("/tokenize", json={"messages": [{"role": "user", "content": content}]})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["count"] == answered.json()["usage"]["prompt_tokens"]
 
 
 def test_info_says_the_model_takes_images(llava: RunningServer) -> None:
@@ -298,11 +348,15 @@ def test_only_public_addresses_are_fetched(address: str, public: bool) -> None:
     assert is_public(ipaddress.ip_address(address)) is public
 
 
-def test_markdown_images_become_placeholders_in_order() -> None:
+def test_markdown_images_become_placeholders_in_order_for_a_model_that_takes_images() -> None:
+    from types import SimpleNamespace
+
     from tokenmill.http.images import markdown_images
 
-    text, urls = markdown_images("![](data:a)Look ![cat](https://x/y.png) at these", "<image>")
+    inputs = "![](data:a)Look ![cat](https://x/y.png) at these"
+    text, urls = markdown_images(inputs, SimpleNamespace(placeholder="<image>"))  # type: ignore[arg-type]
     assert text == "<image>Look <image> at these" and urls == ["data:a", "https://x/y.png"]
+    assert markdown_images(inputs, None) == (inputs, [])  # a text model reads them as text
 
 
 def test_an_image_part_for_a_text_model_is_a_clear_error() -> None:

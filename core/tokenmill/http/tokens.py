@@ -12,7 +12,15 @@ import falcon.asgi
 
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.context import Caller
-from tokenmill.http.openai.chat import ChatError, parse_messages, parse_tools, render_prompt, template_kwargs
+from tokenmill.http.images import image_prompt, placeholder
+from tokenmill.http.openai.chat import (
+    ChatError,
+    message_images,
+    parse_messages,
+    parse_tools,
+    render_prompt,
+    template_kwargs,
+)
 from tokenmill.http.openai.convert import parse_chat
 from tokenmill.http.openai.reading import ChatFormat
 from tokenmill.http.openai.routes import served_model
@@ -50,25 +58,29 @@ def vllm_form(body: Any) -> bool:
 
 def vllm_tokenize(validator: Validator, body: dict[str, Any], chat_format: ChatFormat) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt's tokens, or a conversation's as the chat template renders it
-    (with its tools shown as a chat request with ``tool_choice: "auto"`` shows them)."""
-    tokenizer = validator.tokenizer
+    (with its tools shown as a chat request with ``tool_choice: "auto"`` shows them, and each image as the
+    tokens a vision-language model gives it)."""
+    tokenizer, images = validator.tokenizer, []
     if "messages" in body:
         request: VllmTokenizeChat | VllmTokenizePrompt = check_body(VllmTokenizeChat, body)
         assert isinstance(request, VllmTokenizeChat)
         try:
             tools = parse_tools(request.tools or [])
-            text = render_prompt(tokenizer, parse_messages(request.messages), tools, True,
+            image = placeholder(validator.vision)
+            text = render_prompt(tokenizer, parse_messages(request.messages, image), tools, True,
                                  template_kwargs=template_kwargs(tokenizer, request.chat_template_kwargs),
                                  native=chat_format.native_tools,
                                  add_generation_prompt=request.add_generation_prompt,
-                                 continue_final_message=request.continue_final_message)
+                                 continue_final_message=request.continue_final_message, placeholder=image)
+            images = message_images(request.messages)
         except ChatError as error:
             raise ValidationError(str(error)) from None
     else:
         request = check_body(VllmTokenizePrompt, body)
         assert isinstance(request, VllmTokenizePrompt)
         text = request.prompt
-    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    ids = (image_prompt(validator.vision, validator.config, text, images, request.add_special_tokens)[0] if images
+           else tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
     return {"count": len(ids), "max_model_len": validator.config.max_total_tokens, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None}
 

@@ -9,6 +9,7 @@ embeddings at the image tokens' positions in place of the token embeddings.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 from collections.abc import Sequence
@@ -100,12 +101,9 @@ class ImagePrompt:
     """The prompt positions holding ``token_id``, in order: the i-th takes the i-th embedding."""
     digest: bytes
     """The digest of every image, in order: blocks from the first image token on are cached under it."""
-    count: int
 
     def placed_before(self, position: int) -> int:
         """How many image embeddings go to positions before ``position``."""
-        import bisect
-
         return bisect.bisect_left(self.positions, position)
 
 
@@ -138,7 +136,7 @@ class Vision:
                   and isinstance(value, torch.Tensor)}
         positions = tuple(i for i, token in enumerate(ids) if token == self.token_id)
         digest = hashlib.blake2b(b"".join(decoded.digest for decoded in images), digest_size=16).digest()
-        return ids, ImagePrompt(pixels, self.token_id, positions, digest, len(images))
+        return ids, ImagePrompt(pixels, self.token_id, positions, digest)
 
 
 def worker_vision(processor: Any, tokenizer: Any, model_config: Any) -> Vision:
@@ -158,25 +156,40 @@ def load_processor(path: Any, trust_remote_code: bool = False) -> Any:
     return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def encode_images(model: Any, prompt: ImagePrompt) -> torch.Tensor:
-    """``[len(prompt.positions), hidden]``: the language model's input embeddings for ``prompt``'s image
-    tokens, from the model's vision tower and projector. ValueError when the count does not match."""
+def encode_images(model: Any, prompts: list[ImagePrompt]) -> list[torch.Tensor]:
+    """Per prompt, ``[len(prompt.positions), hidden]``: the language model's input embeddings for its image
+    tokens, from the model's vision tower and projector. Prompts whose pixels have the same shapes (beyond the
+    first axis) are encoded together, in one call. ValueError when the counts do not match the tokens."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        shapes = tuple((name, tuple(value.shape[1:]), value.dtype) for name, value in sorted(prompt.pixels.items()))
+        groups.setdefault(shapes, []).append(index)
+    encoded: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for indices in groups.values():
+        pixels = {name: torch.cat([prompts[i].pixels[name] for i in indices]) for name in prompts[indices[0]].pixels}
+        counts = [len(prompts[i].positions) for i in indices]
+        features = _image_features(model, pixels)
+        if len(features) != sum(counts):
+            raise ValueError(f"the vision encoder made {len(features)} embeddings for {sum(counts)} image tokens")
+        for index, part in zip(indices, features.split(counts)):
+            encoded[index] = part
+    return encoded
+
+
+def _image_features(model: Any, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
     device, dtype = model.device, model.get_input_embeddings().weight.dtype
     pixels = {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
-              for key, value in prompt.pixels.items()}
+              for key, value in pixels.items()}
     output = model.get_image_features(**pixels, return_dict=True)
     features = getattr(output, "pooler_output", output)
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-    features = features.reshape(-1, features.shape[-1]).to(dtype)
-    if len(features) != len(prompt.positions):
-        raise ValueError(f"the vision encoder made {len(features)} embeddings for {len(prompt.positions)} image tokens")
-    return features
+    return features.reshape(-1, features.shape[-1]).to(dtype)
 
 
-def sequence_images(model: Any, seq: Any) -> torch.Tensor:
-    """A sequence's image embeddings (``seq.image_embeddings``), encoded the first time they are asked for:
-    kept through a preemption, so a recompute does not encode the images again."""
-    if seq.image_embeddings is None:
-        seq.image_embeddings = encode_images(model, seq.request.images)
-    return seq.image_embeddings
+def encode_sequences(model: Any, seqs: list[Any]) -> None:
+    """Set ``image_embeddings`` on each of ``seqs`` with images that has none yet, encoding their images
+    together (:func:`encode_images`). A preemption keeps them: a recompute does not encode the images again."""
+    new = [seq for seq in seqs if seq.request.images is not None and seq.image_embeddings is None]
+    for seq, embeddings in zip(new, encode_images(model, [seq.request.images for seq in new]) if new else []):
+        seq.image_embeddings = embeddings

@@ -17,7 +17,7 @@ import tokenmill
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
 from tokenmill.model.lora import adapter_rows
-from tokenmill.model.vision import sequence_images
+from tokenmill.model.vision import encode_sequences
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +118,13 @@ class TransformersRunner(BackendRunner):
         when none of them has images."""
         if all(seq.request.images is None for seq in seqs):
             return None
+        encode_sequences(self.model, seqs)
         embeds = self.model.get_input_embeddings()(ids)
         for row, seq in enumerate(seqs):
             if seq.request.images is not None:
                 offset = ids.shape[1] - seq.total_len  # left padding
                 rows = [offset + position for position in seq.request.images.positions]
-                embeds[row, rows] = sequence_images(self.model, seq).to(embeds.dtype)
+                embeds[row, rows] = seq.image_embeddings.to(embeds.dtype)
         return embeds
 
     def _join(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:

@@ -39,12 +39,18 @@ def chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    images: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []  # text and images in their order, where there are images
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(message.content):
         at = f"{where}.content[{i}]"
         if block.type == "text":
             texts.append(block.text or "")
+            parts.append({"type": "text", "text": block.text or ""})
+        elif block.type == "image" and message.role == "user":
+            images.append({"type": "image_url", "image_url": {"url": image_url(block.source, at)}})
+            parts.append(images[-1])
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise ValidationError(f"`{at}`: a tool_use block needs `id` and `name`")
@@ -63,9 +69,20 @@ def chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
         if calls:
             turn["tool_calls"] = calls
         chat.append(turn)
-    elif texts or not results:
-        chat.append({"role": message.role, "content": "".join(texts)})
+    elif texts or images or not results:
+        chat.append({"role": message.role, "content": parts if images else "".join(texts)})
     return chat
+
+
+def image_url(source: dict[str, Any] | None, where: str) -> str:
+    """An image block's source as the URL a chat image part names: base64 data as a data URL."""
+    source = source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValidationError(f'`{where}.source` must be {{"type": "base64", "media_type": ..., "data": ...}} or '
+                          '{"type": "url", "url": ...}')
 
 
 def chat_body(request: MessagesInput) -> dict[str, Any]:

@@ -23,6 +23,8 @@ class ContentBlock(RequestModel):
     content: Annotated[String | list[Object], one_of("a string or a list of content blocks")] | None = None
     is_error: Boolean | None = None
     thinking: String | None = None
+    source: Object | None = Field(None, description='An image block\'s source: {"type": "base64", "media_type", '
+                                                    '"data"} or {"type": "url", "url"}')
 
 
 Content = Annotated[String | list[ContentBlock], one_of("a string or a list of content blocks")]

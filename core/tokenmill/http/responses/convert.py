@@ -14,15 +14,23 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def part_text(content: str | list[dict[str, Any]], where: str) -> str:
+def part_text(content: str | list[dict[str, Any]], where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or (with ``input_image`` parts) chat's text and
+    ``image_url`` parts."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
-        if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValidationError(f"`{where}[{i}]`: only text parts are supported, got {part.get('type')!r}")
-        texts.append(part["text"])
-    return "".join(texts)
+        if part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise ValidationError(f"`{where}[{i}]`: only text parts and input_image parts with an `image_url` are "
+                                  f"supported, got {part.get('type')!r}")
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:

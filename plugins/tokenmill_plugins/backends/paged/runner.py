@@ -25,7 +25,7 @@ from tokenmill.interfaces import (
 )
 from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.lora import adapter_rows, lora_batch
-from tokenmill.model.vision import sequence_images
+from tokenmill.model.vision import encode_sequences
 from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
 log = logging.getLogger(__name__)
@@ -161,22 +161,23 @@ class PagedRunner(BackendRunner):
     def _with_images(self, input_ids: torch.Tensor, prefill: list[Any], starts: list[int], chunks: list[int],
                      query_starts: list[int]) -> torch.Tensor | None:
         """The step's input embeddings with its prompts' image embeddings at their image tokens' positions
-        (each prompt's images encoded the first time it prefills); None when no chunk of the step holds one."""
-        placed: list[tuple[list[int], torch.Tensor]] = []
+        (the images of every prompt that first reaches them in this step encoded together); None when no
+        chunk of the step holds an image token."""
+        placed: list[tuple[Any, list[int], slice]] = []
         for seq, start, row_start, length in zip(prefill, starts, query_starts, chunks):
             images = seq.request.images
             if images is None:
                 continue
             first, last = images.placed_before(start), images.placed_before(start + length)
-            if first == last:
-                continue
-            rows = [row_start + position - start for position in images.positions[first:last]]
-            placed.append((rows, sequence_images(self.model, seq)[first:last]))
+            if first < last:
+                rows = [row_start + position - start for position in images.positions[first:last]]
+                placed.append((seq, rows, slice(first, last)))
         if not placed:
             return None
+        encode_sequences(self.model, [seq for seq, _, _ in placed])
         embeds = self.model.get_input_embeddings()(input_ids)
-        for rows, values in placed:
-            embeds[0, rows] = values.to(embeds.dtype)
+        for seq, rows, taken in placed:
+            embeds[0, rows] = seq.image_embeddings[taken].to(embeds.dtype)
         return embeds
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
