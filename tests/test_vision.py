@@ -155,6 +155,40 @@ def test_the_images_of_several_prompts_encode_together_as_each_alone(family: str
         torch.testing.assert_close(batched, single)
 
 
+def test_a_preempted_sequence_recomputes_from_its_encoded_images(llava_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+
+    import torch
+    from engine_helpers import Collector, build_engine
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams
+    from tokenmill.model import vision as vision_module
+    from tokenmill.model.vision import Vision, decode_image, load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    processor = load_processor(llava_dir)
+    vision = Vision(processor, model.config)
+    encoded: list[int] = []
+    encode = vision_module._image_features
+    monkeypatch.setattr(vision_module, "_image_features",
+                        lambda model, pixels: encoded.append(len(pixels["pixel_values"])) or encode(model, pixels))
+    images = [random_image(seed) for seed in range(20, 24)]
+    engine = build_engine(model, processor.tokenizer, backend="paged", block_size=4,
+                          max_batch_total_tokens=112)  # 28 blocks: two sequences of ~70 tokens, not four
+    sinks = [Collector() for _ in images]
+    for image, sink in zip(images, sinks):
+        ids, prompt = vision.prompt(CHAT_PROMPT, [decode_image(base64.b64decode(data_url(image).split(",")[1]))])
+        engine.submit(GenerationRequest(CHAT_PROMPT, ids, 40, SamplingParams(), images=prompt), sink)
+    while not all(sink.done for sink in sinks):
+        engine.run_once()
+    assert engine.preemptions > 0
+    assert sum(encoded) == len(images)  # each image encoded once, preemptions or not
+    for image, sink in zip(images, sinks):
+        assert sink.token_ids == reference_tokens(llava_dir, CHAT_PROMPT, [image], 40)
+
+
 # --- the prefix cache ---------------------------------------------------------------------------------
 
 
