@@ -402,6 +402,16 @@ def test_an_image_part_for_a_text_model_is_a_clear_error() -> None:
         parse_messages([message])
 
 
+def test_sharding_a_vision_language_model_is_refused_at_start_with_the_reason(llava_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "tokenmill", "launch", "--model-id", str(llava_dir), "--num-shard", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "vision-language model: it runs on one shard" in done.stderr and "--num-shard 1" in done.stderr
+
+
 # --- the transformers backend ---------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.model.sharding.group import init_group
+from tokenmill.model.vision import takes_images
 
 
 class ShardingError(ValueError):
@@ -44,7 +45,11 @@ def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def plan_slice(config: Any, rank: int, world_size: int) -> ShardSlice:
-    """This rank's share of attention heads and MLP columns, or ShardingError with the numbers."""
+    """This rank's share of attention heads and MLP columns, or ShardingError with the numbers (or why
+    the model cannot be sharded at all)."""
+    if takes_images(config):
+        raise ShardingError(f"{type(config).__name__} is a vision-language model: it runs on one shard (the shards "
+                            "would split its language model, not its vision encoder); use --num-shard 1")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -175,8 +180,7 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
     from transformers import AutoTokenizer
 
     from tokenmill.model.dtypes import checkpoint_choice
-    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, ModelLoadError, checkpoint_config, pick_device
-    from tokenmill.model.vision import takes_images
+    from tokenmill.model.loading import DEFAULT_MODEL_NAME, LoadedModel, checkpoint_config, pick_device
 
     device = pick_device()
     if device.type == "cuda":
@@ -187,9 +191,6 @@ def load_rank0_model(config: Any, stages: Any, attn_implementation: str) -> Any:
                detail=f"{world_size} shards at {config.master_addr}:{config.master_port}")
     path, model_config = stages.run("resolving", lambda: checkpoint_config(config.model_id, config.revision),
                                     detail=str(config.model_id or "default"))
-    if takes_images(model_config):
-        raise ModelLoadError(f"{type(model_config).__name__} is a vision-language model: it runs on one shard "
-                             "(the shards split the language model, not the vision encoder); use --num-shard 1")
     shard = plan_slice(model_config, 0, world_size)
     choice = checkpoint_choice(config.dtype, device, path)
     dtype = choice.dtype
