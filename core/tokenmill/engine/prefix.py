@@ -32,7 +32,7 @@ def block_hash(parent: bytes | None, tokens: list[int], namespace: str = "", ima
 def full_block_hashes(seq: Sequence, block_size: int, count: int) -> list[bytes]:
     """The names of ``seq``'s first ``count`` blocks (each full), kept on ``seq.block_hashes`` so each is
     hashed once: a waiting sequence is looked up at every step until it starts."""
-    memo, tokens, images = seq.block_hashes, seq.token_ids, seq.request.images
+    memo, tokens, images = seq.block_hashes, seq.token_ids, seq.images
     assert len(tokens) >= count * block_size, "only full blocks have names"
     image_block = images.positions[0] // block_size if images is not None and images.positions else -1
     for index in range(len(memo), count):

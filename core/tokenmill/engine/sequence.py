@@ -185,7 +185,7 @@ class Sequence:
         self.speculation: Any = None
         """Its drafting with ``--speculate`` (``tokenmill.engine.speculation.DraftState``), set when it first drafts."""
         self.image_embeddings: Any = None
-        """With images (``request.images``): their embeddings, one row per image token, set by the runner the
+        """With :attr:`images`: their embeddings, one row per image token, set by the runner the
         first time it prefills them; a preemption keeps them, so a recompute does not encode the images again."""
 
     @property
@@ -210,6 +210,11 @@ class Sequence:
     def max_tokens(self) -> int:
         """Prompt plus the most tokens it may generate: what it can occupy in the batch."""
         return self.prompt_len + self.request.max_new_tokens
+
+    @property
+    def images(self) -> ImagePrompt | None:
+        """The prompt's images (a vision-language model's), which a runner encodes and places."""
+        return self.request.images
 
     @property
     def cache_namespace(self) -> str:

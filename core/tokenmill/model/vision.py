@@ -190,6 +190,6 @@ def _image_features(model: Any, pixels: dict[str, torch.Tensor]) -> torch.Tensor
 def encode_sequences(model: Any, seqs: list[Any]) -> None:
     """Set ``image_embeddings`` on each of ``seqs`` with images that has none yet, encoding their images
     together (:func:`encode_images`). A preemption keeps them: a recompute does not encode the images again."""
-    new = [seq for seq in seqs if seq.request.images is not None and seq.image_embeddings is None]
-    for seq, embeddings in zip(new, encode_images(model, [seq.request.images for seq in new]) if new else []):
+    new = [seq for seq in seqs if seq.images is not None and seq.image_embeddings is None]
+    for seq, embeddings in zip(new, encode_images(model, [seq.images for seq in new]) if new else []):
         seq.image_embeddings = embeddings

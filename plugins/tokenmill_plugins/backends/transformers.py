@@ -116,14 +116,14 @@ class TransformersRunner(BackendRunner):
     def _with_images(self, ids: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """The prompts' input embeddings with their image embeddings at the image tokens' positions; None
         when none of them has images."""
-        if all(seq.request.images is None for seq in seqs):
+        if all(seq.images is None for seq in seqs):
             return None
         encode_sequences(self.model, seqs)
         embeds = self.model.get_input_embeddings()(ids)
         for row, seq in enumerate(seqs):
-            if seq.request.images is not None:
+            if seq.images is not None:
                 offset = ids.shape[1] - seq.total_len  # left padding
-                rows = [offset + position for position in seq.request.images.positions]
+                rows = [offset + position for position in seq.images.positions]
                 embeds[row, rows] = seq.image_embeddings.to(embeds.dtype)
         return embeds
 

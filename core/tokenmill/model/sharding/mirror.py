@@ -30,6 +30,8 @@ class SequenceView:
     cache_namespace: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
     """A memo a prefix-caching shard runner of its own fills from ``token_ids`` (``tokenmill.engine.prefix``)."""
+    images: None = None
+    """Never any: vision-language models run on one shard."""
 
     @property
     def pending_len(self) -> int:

@@ -165,7 +165,7 @@ class PagedRunner(BackendRunner):
         chunk of the step holds an image token."""
         placed: list[tuple[Any, list[int], slice]] = []
         for seq, start, row_start, length in zip(prefill, starts, query_starts, chunks):
-            images = seq.request.images
+            images = seq.images
             if images is None:
                 continue
             first, last = images.placed_before(start), images.placed_before(start + length)
