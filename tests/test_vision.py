@@ -313,8 +313,10 @@ def test_tgi_markdown_with_a_url_is_refused_the_same_way(llava: RunningServer) -
 
 class _ImageHandler(http.server.BaseHTTPRequestHandler):
     body = b""
+    hosts: list[str] = []
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.hosts.append(self.headers.get("Host", ""))
         if self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://10.0.0.1/cat.png")
@@ -359,6 +361,26 @@ def test_fetching_follows_the_operator_s_rule_for_each_address(image_host: str) 
     assert fetch(f"{image_host}/cat.png", loopback) == _ImageHandler.body
     with pytest.raises(ValidationError, match="10.0.0.1, not a public address"):
         fetch(f"{image_host}/redirect", loopback)
+
+
+def test_a_host_is_fetched_at_the_address_that_was_checked(image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: a name that resolves to an allowed address for the check and to another one for the
+    connection must not lead the fetch to the other one."""
+    import socket
+
+    from tokenmill.http.images import fetch
+
+    port, resolve = int(image_host.rsplit(":", 1)[1]), socket.getaddrinfo
+    answers = iter(["127.0.0.1"])  # the first lookup; every later one says 10.255.255.1
+
+    def rebinding(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host != "images.example":
+            return resolve(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers, "10.255.255.1"), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    assert fetch(f"http://images.example:{port}/cat.png", lambda address: address.is_loopback) == _ImageHandler.body
+    assert _ImageHandler.hosts[-1] == f"images.example:{port}"
 
 
 def test_fetched_images_are_capped(image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:

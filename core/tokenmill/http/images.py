@@ -104,38 +104,51 @@ def image_bytes(url: str, allow_urls: bool, allowed: Callable[[Address], bool] =
 
 def fetch(url: str, allowed: Callable[[Address], bool] = is_public) -> bytes:
     """GET ``url``, following at most :data:`MAX_REDIRECTS` redirects, every host on an ``allowed`` address,
-    within :data:`FETCH_TIMEOUT` and :data:`MAX_FETCHED_BYTES`."""
+    within :data:`FETCH_TIMEOUT` and :data:`MAX_FETCHED_BYTES`. Each request goes to the address that was
+    checked (the host named in ``Host`` and TLS's SNI): a name that resolves anew to another address between
+    the check and the connection (DNS rebinding) is not followed."""
     deadline = time.monotonic() + FETCH_TIMEOUT
     with httpx.Client(timeout=FETCH_TIMEOUT, follow_redirects=False, trust_env=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            _check_host(url, allowed)
+            parts, address = urlsplit(url), _checked_address(url, allowed)
+            host = f"[{address}]" if address.version == 6 else str(address)
+            pinned = parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")).geturl()
+            request = client.build_request("GET", pinned, headers={"Host": parts.netloc.rsplit("@", 1)[-1]},
+                                           extensions={"sni_hostname": parts.hostname})
             try:
-                with client.stream("GET", url) as response:
+                response = client.send(request, stream=True)
+                try:
                     if response.is_redirect:
                         url = urljoin(url, response.headers.get("location", ""))
                         continue
                     if response.status_code != 200:
                         raise ValidationError(f"fetching an image answered HTTP {response.status_code}")
                     return _capped_body(response, deadline)
+                finally:
+                    response.close()
             except httpx.HTTPError as error:
                 raise ValidationError(f"fetching an image failed ({type(error).__name__}: {error})") from None
     raise ValidationError(f"fetching an image took more than {MAX_REDIRECTS} redirects")
 
 
-def _check_host(url: str, allowed: Callable[[Address], bool]) -> None:
+def _checked_address(url: str, allowed: Callable[[Address], bool]) -> Address:
+    """The address ``url``'s host resolves to first, once every address it resolves to is ``allowed``."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValidationError("an image URL (or a redirect) must be an http(s) URL with a host")
     try:
         infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
                                    type=socket.SOCK_STREAM)
+    except ValueError as error:  # a port that is no number
+        raise ValidationError(f"an image URL is malformed ({error})") from None
     except (OSError, UnicodeError) as error:
         raise ValidationError(f"an image URL's host {parts.hostname!r} does not resolve ({error})") from None
-    for info in infos:
-        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    for address in addresses:
         if not allowed(address):
             raise ValidationError(f"an image URL's host {parts.hostname!r} is at {address}, not a public address: "
                                   "this server fetches images from the public internet only")
+    return addresses[0]
 
 
 def _capped_body(response: httpx.Response, deadline: float) -> bytes:
