@@ -189,6 +189,33 @@ def test_a_preempted_sequence_recomputes_from_its_encoded_images(llava_dir: Path
         assert sink.token_ids == reference_tokens(llava_dir, CHAT_PROMPT, [image], 40)
 
 
+def test_images_the_encoder_fails_on_fail_their_request_alone(llava_dir: Path) -> None:
+    import base64
+    import dataclasses
+
+    import torch
+    from engine_helpers import Collector, build_engine
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams
+    from tokenmill.model.vision import Vision, decode_image, load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    processor = load_processor(llava_dir)
+    vision = Vision(processor, model.config)
+    image = decode_image(base64.b64decode(data_url(random_image(30)).split(",")[1]))
+    ids, good = vision.prompt(CHAT_PROMPT, [image])
+    bad = dataclasses.replace(good, positions=good.positions[:-1])  # one embedding more than the places for them
+    engine = build_engine(model, processor.tokenizer, backend="paged")
+    sinks = [Collector(), Collector()]
+    engine.submit(GenerationRequest(CHAT_PROMPT, ids, 8, SamplingParams(), images=bad), sinks[0])
+    engine.submit(GenerationRequest(CHAT_PROMPT, ids, 8, SamplingParams(), images=good), sinks[1])
+    while not all(sink.done for sink in sinks):
+        engine.run_once()
+    assert sinks[0].final is None and "embeddings for 15 image tokens" in str(sinks[0].events[-1])
+    assert sinks[1].token_ids == reference_tokens(llava_dir, CHAT_PROMPT, [image.image], 8)
+
+
 # --- the prefix cache ---------------------------------------------------------------------------------
 
 
