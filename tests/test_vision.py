@@ -216,6 +216,28 @@ def test_images_the_encoder_fails_on_fail_their_request_alone(llava_dir: Path) -
     assert sinks[1].token_ids == reference_tokens(llava_dir, CHAT_PROMPT, [image.image], 8)
 
 
+def test_a_backend_whose_runner_places_no_images_refuses_requests_with_images(llava_dir: Path) -> None:
+    import base64
+
+    import torch
+    from engine_helpers import build_engine
+    from transformers import AutoModelForImageTextToText
+
+    from tokenmill.engine.sequence import GenerationRequest, SamplingParams
+    from tokenmill.model.vision import Vision, decode_image, load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    processor = load_processor(llava_dir)
+    ids, images = Vision(processor, model.config).prompt(
+        CHAT_PROMPT, [decode_image(base64.b64decode(data_url(random_image(31)).split(",")[1]))])
+    engine = build_engine(model, processor.tokenizer, backend="paged")
+    request = GenerationRequest(CHAT_PROMPT, ids, 8, SamplingParams(), images=images)
+    assert engine.unavailable_reason(request) is None
+    engine.scheduler.runner.takes_images = False  # as a third-party runner that knows nothing of images
+    assert "does not take images" in engine.unavailable_reason(request)
+    assert engine.unavailable_reason(GenerationRequest(CHAT_PROMPT, ids, 8, SamplingParams())) is None
+
+
 # --- the prefix cache ---------------------------------------------------------------------------------
 
 

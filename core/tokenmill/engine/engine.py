@@ -80,6 +80,8 @@ class Engine(BackendSurface):
 
     def unavailable_reason(self, request: GenerationRequest) -> str | None:
         """Why this engine cannot run ``request`` (answered with 422 at validation), or None."""
+        if request.images is not None and not getattr(self.scheduler.runner, "takes_images", False):
+            return f"this server's backend ({type(self.scheduler.runner).__name__}) does not take images"
         return self.refusal(request)
 
     def refusal(self, request: GenerationRequest) -> str | None:

@@ -54,6 +54,10 @@ class BackendRunner(Protocol):
 
     speculative: bool = False
     """Whether :meth:`step` takes ``drafts`` (``--speculate``)."""
+    takes_images: bool = False
+    """Whether :meth:`step` places a prompt's image embeddings (``Sequence.images``, a vision-language model's;
+    ``tokenmill.model.vision.encode_sequences`` encodes them) at its image tokens. The engine refuses requests
+    with images (422) for a runner that does not."""
     kv_pool: BlockPool | None = None
     """A runner over a block pool names it here: the engine's KV-cache manager then allocates, names and frees
     its blocks (:mod:`tokenmill.engine.kv_cache`), the runner only reads each sequence's block table, and the

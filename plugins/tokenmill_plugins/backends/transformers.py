@@ -38,6 +38,7 @@ class TransformersRunner(BackendRunner):
     chunked_prefill = False
     pausable = False
     kv_block_size = 1
+    takes_images = True
 
     def __init__(self, model: Any, kv: PaddedKVCache) -> None:
         self.model = model

@@ -43,6 +43,7 @@ class PagedRunner(BackendRunner):
     chunked_prefill = True
     pausable = True
     speculative = True
+    takes_images = True
 
     def __init__(self, model: Any, pool: BlockPool, kernel: AttentionKernel) -> None:
         self.model = model
