@@ -238,6 +238,24 @@ def test_a_backend_whose_runner_places_no_images_refuses_requests_with_images(ll
     assert engine.unavailable_reason(GenerationRequest(CHAT_PROMPT, ids, 8, SamplingParams())) is None
 
 
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_each_image_s_first_token_is_known_for_the_prefix_cache(family: str, request: pytest.FixtureRequest) -> None:
+    import base64
+
+    from transformers import AutoConfig
+
+    from tokenmill.model.vision import Vision, decode_image, load_processor
+
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    vision = Vision(load_processor(model_dir), AutoConfig.from_pretrained(model_dir))
+    small, tall = (decode_image(base64.b64decode(data_url(random_image(seed, size)).split(",")[1]))
+                   for seed, size in ((18, (20, 20)), (19, (30, 70))))
+    _, alone = vision.prompt("<image>", [small], add_special_tokens=False)
+    _, both = vision.prompt("A <image> and <image>?", [small, tall])
+    assert both.starts == (both.positions[0], both.positions[len(alone.positions)])
+    assert both.block_digest(both.starts[1] // 4, 4).endswith(tall.digest)
+
+
 # --- the prefix cache ---------------------------------------------------------------------------------
 
 
@@ -262,6 +280,24 @@ def test_the_prefix_cache_never_gives_one_image_s_blocks_to_another(llava: Runni
     assert cached_again >= (prompt_tokens - 1) // block * block > cached_other  # the same image: its blocks too
     assert again.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
     assert other.json()["choices"][0]["message"] != before.json()["choices"][0]["message"]
+
+
+def test_a_later_turn_with_a_new_image_reuses_the_earlier_image_s_blocks(llava: RunningServer) -> None:
+    first, second = data_url(random_image(16)), data_url(random_image(17))
+    turn = [{"role": "system", "content": LONG_SYSTEM},
+            {"role": "user", "content": [image_part(first), text_part("What is in this picture?")]}]
+    with llava.client() as client:
+        answer = client.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 8, "temperature": 0})
+        turn += [answer.json()["choices"][0]["message"],
+                 {"role": "user", "content": [image_part(second), text_part("And in this one?")]}]
+        later = client.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 8, "temperature": 0})
+        tokens = client.post("/tokenize", json={"messages": turn}).json()["tokens"]
+        block = client.get("/info").json()["block_size"]
+    assert later.status_code == 200, later.text
+    image_token = max(tokens, key=tokens.count)  # 32 of them: the two images' 16 each
+    positions = [i for i, token in enumerate(tokens) if token == image_token]
+    cached = later.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert positions[15] < cached <= positions[16] // block * block  # the first image's blocks, not the second's
 
 
 # --- the clients' forms ---------------------------------------------------------------------------------

@@ -19,8 +19,7 @@ def block_hash(parent: bytes | None, tokens: list[int], namespace: str = "", ima
     the model's work: the LoRA adapter and a tenant's ``cache_salt`` (its *namespace*). So two prompts share
     a block exactly when they share everything up to its end, and tenants with different salts never share
     one. BLAKE2b (128 bits): no client can craft a prompt whose blocks collide with another's. ``images``: the
-    digest of a prompt's images, for the block holding its first image token (the pixels, not the tokens,
-    tell two images apart)."""
+    digests of the images whose first token is in the block (``ImagePrompt.block_digest``)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent if parent is not None else b"tokenmill-prefix\0" + namespace.encode() + b"\0")
     digest.update(array("q", tokens).tobytes())
@@ -34,10 +33,9 @@ def full_block_hashes(seq: Sequence, block_size: int, count: int) -> list[bytes]
     hashed once: a waiting sequence is looked up at every step until it starts."""
     memo, tokens, images = seq.block_hashes, seq.token_ids, seq.images
     assert len(tokens) >= count * block_size, "only full blocks have names"
-    image_block = images.positions[0] // block_size if images is not None and images.positions else -1
     for index in range(len(memo), count):
         block = tokens[index * block_size:(index + 1) * block_size]
-        pixels = images.digest if images is not None and index == image_block else b""
+        pixels = images.block_digest(index, block_size) if images is not None else b""
         memo.append(block_hash(memo[-1] if memo else None, block, seq.cache_namespace, pixels))
     return memo[:count]
 

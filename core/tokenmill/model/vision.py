@@ -99,12 +99,19 @@ class ImagePrompt:
     """The placeholder token whose positions take the image embeddings."""
     positions: tuple[int, ...]
     """The prompt positions holding ``token_id``, in order: the i-th takes the i-th embedding."""
-    digest: bytes
-    """The digest of every image, in order: blocks from the first image token on are cached under it."""
+    starts: tuple[int, ...]
+    """Per image, the position of its first token."""
+    digests: tuple[bytes, ...]
+    """Per image, the digest of its bytes."""
 
     def placed_before(self, position: int) -> int:
         """How many image embeddings go to positions before ``position``."""
         return bisect.bisect_left(self.positions, position)
+
+    def block_digest(self, block: int, block_size: int) -> bytes:
+        """The digests of the images whose first token is in block ``block`` (b"" for none): what names that
+        block in the prefix cache besides its tokens, as the pixels, not the tokens, tell two images apart."""
+        return b"".join(digest for start, digest in zip(self.starts, self.digests) if start // block_size == block)
 
 
 class Vision:
@@ -135,8 +142,26 @@ class Vision:
                   if key not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
                   and isinstance(value, torch.Tensor)}
         positions = tuple(i for i, token in enumerate(ids) if token == self.token_id)
-        digest = hashlib.blake2b(b"".join(decoded.digest for decoded in images), digest_size=16).digest()
-        return ids, ImagePrompt(pixels, self.token_id, positions, digest)
+        digests = tuple(decoded.digest for decoded in images)
+        return ids, ImagePrompt(pixels, self.token_id, positions, self._starts(images, positions), digests)
+
+    def _starts(self, images: Sequence[DecodedImage], positions: tuple[int, ...]) -> tuple[int, ...]:
+        """Each image's first token position. With several images, each image's token count comes from the
+        processor on it alone; where those counts do not add up, every image is taken to start at the first
+        image token (its blocks then cached under all the images)."""
+        if not positions:
+            return (0,) * len(images)
+        if len(images) == 1:
+            return (positions[0],)
+        counts = []
+        for decoded in images:
+            alone = self.processor(text=[self.placeholder], images=[[decoded.image]], add_special_tokens=False,
+                                   return_tensors="pt")
+            counts.append(int((alone["input_ids"][0] == self.token_id).sum()))
+        if sum(counts) != len(positions):
+            return (positions[0],) * len(images)
+        firsts = [sum(counts[:k]) for k in range(len(images))]
+        return tuple(positions[first] for first in firsts)
 
 
 def worker_vision(processor: Any, tokenizer: Any, model_config: Any) -> Vision:
