@@ -13,7 +13,14 @@ from typing import Any
 import httpx
 import pytest
 from conftest import RunningServer, start_server
-from vision_models import data_url, random_image, reference_tokens, save_tiny_idefics3, save_tiny_llava
+from vision_models import (
+    data_url,
+    random_image,
+    reference_tokens,
+    save_tiny_gemma3,
+    save_tiny_idefics3,
+    save_tiny_llava,
+)
 
 LLAVA_PROMPT = "<|im_start|>user\n{image}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
 CHAT_PROMPT = LLAVA_PROMPT.format(image="<image>")  # what the chat template renders for one image and that text
@@ -532,3 +539,36 @@ def test_the_transformers_backend_answers_as_generate_does(llava_dir: Path,
     finally:
         server.stop()
     assert served == reference_tokens(llava_dir, CHAT_PROMPT, [image], 8)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+def test_gemma_3_s_two_way_image_attention_runs_on_the_transformers_backend(
+        gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The paged backend's causal steps cannot attend both ways over image tokens: --backend auto takes the
+    transformers backend, which passes the processor's token types to the model's own mask."""
+    server = serve(gemma3_dir, tmp_path_factory)
+    try:
+        image = random_image(32)
+        served = generate(server, LLAVA_PROMPT.format(image=f"![]({data_url(image)})"))
+        with server.client() as client:
+            backend = client.get("/info").json()["backend"]
+    finally:
+        server.stop()
+    assert backend == "transformers"
+    assert served == reference_tokens(gemma3_dir, LLAVA_PROMPT.format(image="<start_of_image>"), [image], 8)
+
+
+def test_gemma_3_on_the_paged_backend_is_refused_with_the_way_out(gemma3_dir: Path, tmp_path: Path) -> None:
+    from conftest import launch_server
+
+    server = launch_server(["--model-id", str(gemma3_dir), "--backend", "paged"], tmp_path)
+    try:
+        server.process.wait(120)
+    finally:
+        server.stop()
+    assert server.process.returncode != 0
+    assert "attend to each other both ways" in server.log() and "--backend transformers" in server.log()

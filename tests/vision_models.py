@@ -89,6 +89,39 @@ def save_tiny_idefics3(target: Path) -> Path:
     return target
 
 
+def save_tiny_gemma3(target: Path) -> Path:
+    """Gemma 3: a SigLIP tower pooled to 4 image tokens an image, which attend to each other both ways."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
+
+    gguf = default_gguf()  # Gemma's processor reads its tokens from the tokenizer's named special tokens
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    text = {**_text_config(len(tokenizer)), "model_type": "gemma3_text", "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_id=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+                          boi_token_id=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+                          eoi_token_id=tokenizer.convert_tokens_to_ids("<end_of_image>"))
+    model = Gemma3ForConditionalGeneration(config)
+    torch.manual_seed(0)
+    with torch.no_grad():  # Gemma's norms scale by 1 + weight: zero keeps them neutral; small weights vary the tokens
+        for name, parameter in model.named_parameters():
+            parameter.zero_() if "norm" in name else parameter.normal_(0, 0.02)
+    model.save_pretrained(target)
+    template = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+                    image_seq_length=4, chat_template=template).save_pretrained(target)
+    return target
+
+
 def random_image(seed: int, size: tuple[int, int] = (50, 40)) -> Any:
     """A ``size`` image of one random colour with noise over it (noise alone looks alike to a tiny tower)."""
     import numpy as np

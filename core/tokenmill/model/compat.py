@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.model.vision import causal_unavailable_reason
+
 
 def packed_steps_unavailable_reason(model: Any, backend: str) -> str | None:
     """Why ``backend`` (a packed-step backend's name) cannot run ``model``, or None."""
@@ -24,6 +26,8 @@ def packed_steps_unavailable_reason(model: Any, backend: str) -> str | None:
         if getattr(config, attribute, None):
             return (f"{name} uses {what}, which the {backend} backend does not implement; "
                     "use --backend transformers")
+    if (reason := causal_unavailable_reason(model)) is not None:
+        return reason
     if any(hasattr(module, "sinks") for module in model.modules()):
         return (f"{name} uses attention sinks, which the {backend} backend does not implement; "
                 "use --backend transformers")

@@ -38,16 +38,24 @@ BIDIRECTIONAL_IMAGE_ATTENTION = frozenset({"gemma3", "gemma3n", "paligemma"})
 
 def vision_unavailable_reason(model: Any) -> str | None:
     """Why tokenmill cannot run the vision-language ``model`` (its steps feed the language model image
-    embeddings at the image tokens' positions, with plain positions and causal attention), or None."""
+    embeddings at the image tokens' positions, with plain positions), or None."""
     name, config = type(model).__name__, model.config
     if any(hasattr(module, "get_rope_index") for module in (model, getattr(model, "model", None)) if module):
         return f"{name} places image tokens with multimodal rotary positions (M-RoPE), which tokenmill does not compute"
-    if config.model_type in BIDIRECTIONAL_IMAGE_ATTENTION:
-        return f"{name} lets image tokens attend to each other both ways, which tokenmill's causal steps do not"
     if getattr(config.get_text_config(), "cross_attention_layers", None):
         return f"{name} reads images through cross-attention layers, which tokenmill does not run"
     if not hasattr(model, "get_image_features"):
         return f"{name} has no get_image_features (its vision encoder cannot run apart from its language model)"
+    return None
+
+
+def causal_unavailable_reason(model: Any) -> str | None:
+    """Why ``model`` cannot run with causal attention over its image tokens (what packed paged steps
+    compute), or None: its image tokens attend to each other both ways (the transformers backend runs it,
+    with the mask the model makes from ``token_type_ids``)."""
+    if takes_images(model.config) and model.config.model_type in BIDIRECTIONAL_IMAGE_ATTENTION:
+        return (f"{type(model).__name__} lets image tokens attend to each other both ways, which packed causal "
+                "steps do not; use --backend transformers")
     return None
 
 
@@ -103,6 +111,8 @@ class ImagePrompt:
     """Per image, the position of its first token."""
     digests: tuple[bytes, ...]
     """Per image, the digest of its bytes."""
+    token_types: tuple[int, ...] | None = None
+    """The processor's ``token_type_ids`` (1 at image tokens) for a family whose mask reads them (Gemma 3)."""
 
     def placed_before(self, position: int) -> int:
         """How many image embeddings go to positions before ``position``."""
@@ -123,6 +133,7 @@ class Vision:
         self.token_id = image_token_id(model_config)
         self.placeholder: str = getattr(processor, "image_token", None) or "<image>"
         """The text that names an image in a prompt; the processor expands each into the image's tokens."""
+        self.bidirectional = model_config.model_type in BIDIRECTIONAL_IMAGE_ATTENTION
 
     def prompt(self, text: str, images: Sequence[DecodedImage],
                add_special_tokens: bool = True) -> tuple[list[int], ImagePrompt]:
@@ -143,7 +154,9 @@ class Vision:
                   and isinstance(value, torch.Tensor)}
         positions = tuple(i for i, token in enumerate(ids) if token == self.token_id)
         digests = tuple(decoded.digest for decoded in images)
-        return ids, ImagePrompt(pixels, self.token_id, positions, self._starts(images, positions), digests)
+        types = batch.get("token_type_ids", batch.get("mm_token_type_ids"))
+        token_types = tuple(types[0].tolist()) if self.bidirectional and types is not None else None
+        return ids, ImagePrompt(pixels, self.token_id, positions, self._starts(images, positions), digests, token_types)
 
     def _starts(self, images: Sequence[DecodedImage], positions: tuple[int, ...]) -> tuple[int, ...]:
         """Each image's first token position. With several images, each image's token count comes from the

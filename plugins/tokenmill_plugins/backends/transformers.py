@@ -30,6 +30,19 @@ def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
+def _token_types(seqs: list[Sequence], width: int) -> torch.Tensor | None:
+    """The left-padded ``token_type_ids`` of prompts whose model masks image tokens by them (Gemma 3: they
+    attend to each other both ways), or None where none has them."""
+    if all(seq.images is None or seq.images.token_types is None for seq in seqs):
+        return None
+    types = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if seq.images is not None and seq.images.token_types is not None:
+            types[row, width - seq.total_len : width - seq.total_len + len(seq.images.token_types)] = torch.tensor(
+                seq.images.token_types)
+    return types
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -93,10 +106,13 @@ class TransformersRunner(BackendRunner):
         cache = self.kv.new_cache(self.model.config)
         keep_all = any(want_prompt_logits)
         embeds = self._with_images(ids, seqs)
+        types = _token_types(seqs, ids.shape[1])
+        extra = {"token_type_ids": types.to(self.device)} if types is not None else {}
         with adapter_rows(self.model, seqs, [ids.shape[1]] * len(seqs)):  # each row, padding included
             out = self.model(
                 input_ids=ids if embeds is None else None,
                 inputs_embeds=embeds,
+                **extra,
                 attention_mask=mask,
                 position_ids=_positions(mask),
                 cache=cache,
