@@ -59,7 +59,10 @@ def tokenmill_backends() -> list[Backend]:
     - `step(prefill, chunks, want_prompt_logits, decode, drafts=None) -> StepOutput` runs one engine step: it
       prefills the next `chunks[i]` tokens of each `prefill` sequence and feeds each `decode`
       sequence its newest token (and, for a `speculative` runner, its draft: see Speculation);
-    - the attribute `chunked_prefill`.
+    - the attribute `chunked_prefill`;
+    - the attribute `takes_images` (default false): whether `step` places a vision-language prompt's image
+      embeddings (`seq.images`, encoded by `tokenmill.model.vision.encode_sequences`) at its image tokens;
+      requests with images are refused with a 422 for a runner that does not.
 
     **KV memory.** A runner over a block pool (the paged runner) exposes it as `kv_pool`; the engine's
     KV-cache manager (`tokenmill.engine.kv_cache.KVCacheManager`) then owns that memory: before each
@@ -86,9 +89,10 @@ def tokenmill_backends() -> list[Backend]:
     `prefix_caching_unavailable_reason()`, as it offers a compiled forward. A request's LoRA adapter
     and its `cache_salt`, else its tenant (the API key it came with), make its blocks' names its own
     (`Sequence.cache_namespace`);
-    `tokenmill.engine.kv_cache` names blocks (`block_hash`, `full_block_hashes`);
-    `tokenmill.engine.prefix` offers those too, and `BlockChain` for a runner that names its blocks as
-    it fills them.
+    `tokenmill.engine.prefix` names blocks (`block_hash`, `full_block_hashes`: a vision-language prompt's
+    blocks also by the digest of each image whose first token they hold); `tokenmill.engine.kv_cache`
+    offers those too, and `tokenmill.engine.prefix.BlockChain` names a runner's blocks as it fills them
+    (by their tokens only: a runner that takes images names them with `full_block_hashes`).
 
     **Speculation.** A runner that verifies drafts (`--speculate`) sets `speculative = True`. Its
     `step` then takes `drafts`, per decoding sequence the tokens to feed after its newest one (an empty

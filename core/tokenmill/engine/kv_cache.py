@@ -6,9 +6,11 @@ memory of its own answers the same calls through :class:`tokenmill.engine.runner
 
 from __future__ import annotations
 
-from tokenmill.engine.prefix import cacheable_blocks, full_block_hashes
+from tokenmill.engine.prefix import block_hash, cacheable_blocks, full_block_hashes
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import NO_HIT, BlockPool, PrefixHit, blocks_for
+
+__all__ = ["KVCacheManager", "block_hash", "cacheable_blocks", "full_block_hashes"]  # hooks.md names them here
 
 
 class KVCacheManager:
@@ -128,10 +130,10 @@ class KVCacheManager:
     def commit(self, seqs: list[Sequence] | tuple[Sequence, ...]) -> None:
         """The forward that ``seqs`` ran in succeeded: the blocks it filled bear their names now."""
         for seq in seqs:
-            for block, block_hash in self._unnamed.pop(seq.id, ()):
-                self.pool.name(block, block_hash)  # type: ignore[attr-defined]
-                if self._planned.get(block_hash) == block:
-                    del self._planned[block_hash]
+            for block, name in self._unnamed.pop(seq.id, ()):
+                self.pool.name(block, name)  # type: ignore[attr-defined]
+                if self._planned.get(name) == block:
+                    del self._planned[name]
 
     def drop_drafts(self, seqs: list[Sequence] | tuple[Sequence, ...]) -> None:
         """After a failed step: forget its drafts, and the memory they took."""
@@ -160,9 +162,9 @@ class KVCacheManager:
             self.pool.free(seq.id)
             self._named.pop(seq.id, None)
             self._drafted.pop(seq.id, None)
-            for block, block_hash in self._unnamed.pop(seq.id, ()):
-                if self._planned.get(block_hash) == block:
-                    del self._planned[block_hash]
+            for block, name in self._unnamed.pop(seq.id, ()):
+                if self._planned.get(name) == block:
+                    del self._planned[name]
             seq.num_computed = 0
 
     def reset(self, seqs: list[Sequence]) -> None:

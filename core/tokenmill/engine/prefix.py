@@ -46,7 +46,6 @@ def cacheable_blocks(total_len: int, block_size: int) -> int:
     return (total_len - 1) // block_size
 
 
-
 class BlockChain:
     """The names of the blocks one sequence has filled so far, and the tokens of the block it is filling."""
 
