@@ -1,9 +1,10 @@
-"""Images in, text out: tiny random LLaVA and Idefics3 checkpoints served on the paged backend (and the
-transformers one) answer as transformers' own ``generate`` does on the same images, through TGI's markdown
-form, OpenAI's ``image_url`` parts, the openai client and huggingface_hub's InferenceClient."""
+"""Images in, text out: tiny random LLaVA, Idefics3, Gemma 3 and Qwen2-VL checkpoints served on the paged
+backend (and the transformers one) answer as transformers' own ``generate`` does on the same images, through
+TGI's markdown form, OpenAI's ``image_url`` parts, the openai client and huggingface_hub's InferenceClient."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import threading
 from collections.abc import Iterator
@@ -12,14 +13,17 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from conftest import RunningServer, start_server
 from vision_models import (
+    QWEN2_VL_IMAGE,
     data_url,
     random_image,
     reference_tokens,
     save_tiny_gemma3,
     save_tiny_idefics3,
     save_tiny_llava,
+    save_tiny_qwen2_vl,
 )
 
 LLAVA_PROMPT = "<|im_start|>user\n{image}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -502,7 +506,7 @@ def test_markdown_images_become_placeholders_in_order_for_a_model_that_takes_ima
     from tokenmill.http.images import markdown_images
 
     inputs = "![](data:a)Look ![cat](https://x/y.png) at these"
-    text, urls = markdown_images(inputs, SimpleNamespace(placeholder="<image>"))  # type: ignore[arg-type]
+    text, urls = markdown_images(inputs, SimpleNamespace(inline="<image>"))  # type: ignore[arg-type]
     assert text == "<image>Look <image> at these" and urls == ["data:a", "https://x/y.png"]
     assert markdown_images(inputs, None) == (inputs, [])  # a text model reads them as text
 
@@ -572,3 +576,63 @@ def test_gemma_3_on_the_paged_backend_is_refused_with_the_way_out(gemma3_dir: Pa
         server.stop()
     assert server.process.returncode != 0
     assert "attend to each other both ways" in server.log() and "--backend transformers" in server.log()
+
+
+# --- Qwen2-VL: multimodal rotary positions --------------------------------------------------------------
+
+QWEN2_VL_PROMPT = LLAVA_PROMPT.format(image=QWEN2_VL_IMAGE)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+@pytest.mark.parametrize("backend", ["paged", "transformers"])
+def test_qwen2_vl_s_image_tokens_take_their_multimodal_rotary_positions(
+        backend: str, qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Its image tokens take (time, height, width) positions and the text after them positions shifted by
+    how much shorter those run than the tokens: on both backends, in prefill chunks that cut the image (paged)
+    and through decode, beside a request without an image, the tokens are generate's. The same image again
+    in a chat (paged: its blocks from the prefix cache, so no step holds its tokens) answers the same."""
+    from transformers import AutoTokenizer
+
+    chunks = ("--max-batch-prefill-tokens", "16") if backend == "paged" else ()
+    server = serve(qwen2_vl_dir, tmp_path_factory, "--backend", backend, *chunks)
+    images = [random_image(seed) for seed in (40, 41)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda inputs: generate(server, inputs, 12), [
+                *(LLAVA_PROMPT.format(image=f"![]({data_url(image)})") for image in images),
+                LLAVA_PROMPT.format(image="")]))
+        again = chat(server, [image_part(data_url(images[0])), text_part("What is in this picture?")], 12)
+    finally:
+        server.stop()
+    expected = [reference_tokens(qwen2_vl_dir, QWEN2_VL_PROMPT, [image], 12) for image in images]
+    assert answers[:2] == expected
+    assert answers[0] != answers[1]
+    assert again.status_code == 200, again.text
+    decoded = AutoTokenizer.from_pretrained(qwen2_vl_dir).decode(expected[0], skip_special_tokens=True)
+    assert again.json()["choices"][0]["message"]["content"] == decoded
+    if backend == "paged":
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_a_markdown_image_stands_between_qwen2_vl_s_image_start_and_end_tokens(qwen2_vl_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from tokenmill.model.vision import Vision, load_processor
+
+    vision = Vision(load_processor(qwen2_vl_dir), AutoConfig.from_pretrained(qwen2_vl_dir))
+    assert vision.inline == QWEN2_VL_IMAGE  # as its chat template writes an image
+    assert vision.placeholder == "<|image_pad|>"
+
+
+def test_multimodal_rotary_positions_run_on_past_the_prompt_by_its_delta() -> None:
+    from tokenmill.model.vision import RotaryPositions
+
+    prompt = torch.tensor([[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]])
+    positions = RotaryPositions(prompt, delta=-2)
+    assert torch.equal(positions.at(1, 3), prompt[:, 1:4])
+    assert torch.equal(positions.at(5, 4), torch.tensor([[2, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6]]))
+    assert torch.equal(positions.at(9, 1), torch.tensor([[7], [7], [7]]))

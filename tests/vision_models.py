@@ -1,4 +1,4 @@
-"""Tiny random vision-language checkpoints (LLaVA, Idefics3) with SmolLM2's tokenizer, built with
+"""Tiny random vision-language checkpoints (LLaVA, Idefics3, Gemma 3, Qwen2-VL) with SmolLM2's tokenizer, built with
 ``save_pretrained``, and what transformers' own ``generate`` answers with them."""
 
 from __future__ import annotations
@@ -122,6 +122,10 @@ def save_tiny_gemma3(target: Path) -> Path:
     return target
 
 
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+"""How Qwen2-VL's template writes an image."""
+
+
 def random_image(seed: int, size: tuple[int, int] = (50, 40)) -> Any:
     """A ``size`` image of one random colour with noise over it (noise alone looks alike to a tiny tower)."""
     import numpy as np
@@ -141,10 +145,39 @@ def data_url(image: Any, kind: str = "PNG") -> str:
 
 def reference_tokens(model_dir: Path, text: str, images: list[Any], max_new_tokens: int) -> list[int]:
     """Greedy tokens of transformers' ``generate`` for ``text`` (``<image>`` where each image goes)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    from tokenmill.model.vision import load_processor
+
+    processor = load_processor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = processor(text=[text], images=[images], return_tensors="pt")
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, batch["input_ids"].shape[1]:].tolist()
+
+
+def save_tiny_qwen2_vl(target: Path) -> Path:
+    """Qwen2-VL: a ViT over 8×8 patches whose 2×2 neighbours merge into one image token, placed with
+    multimodal rotary positions (M-RoPE: temporal, height and width). Its processor is saved in parts (its
+    tokenizer, image processor and class name): built whole, it needs torchvision for its video processor."""
+    import json
+
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    tokenizer = _tokenizer("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+    text = {**_text_config(len(tokenizer)), "model_type": "qwen2_vl_text",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 8,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision,
+                           image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                           video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+                           vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+                           vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"))
+    _randomized(Qwen2VLForConditionalGeneration(config)).save_pretrained(target)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", QWEN2_VL_IMAGE)
+    tokenizer.save_pretrained(target)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                             max_pixels=64 * 64).save_pretrained(target)
+    (target / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    return target

@@ -187,6 +187,9 @@ class Sequence:
         self.image_embeddings: Any = None
         """With :attr:`images`: their embeddings, one row per image token, set by the runner the
         first time it prefills them; a preemption keeps them, so a recompute does not encode the images again."""
+        self.rotary_positions: Any = None
+        """With :attr:`images`, for a model that places them with multimodal rotary positions (Qwen2-VL): its
+        tokens' positions (``tokenmill.model.vision.RotaryPositions``), set by the runner before its first step."""
 
     @property
     def prompt_len(self) -> int:

@@ -61,7 +61,7 @@ def placeholder(vision: Vision | None) -> str | None:
 
 
 def markdown_images(text: str, vision: Vision | None) -> tuple[str, list[str]]:
-    """TGI's form: ``text`` with each markdown image as ``vision``'s placeholder, and their URLs in order;
+    """TGI's form: ``text`` with each markdown image as ``vision``'s inline image, and their URLs in order;
     for a model that takes no images (``vision`` None), the text as it is."""
     urls: list[str] = []
     if vision is None:
@@ -69,7 +69,7 @@ def markdown_images(text: str, vision: Vision | None) -> tuple[str, list[str]]:
 
     def swap(match: re.Match[str]) -> str:
         urls.append(match.group(1))
-        return vision.placeholder
+        return vision.inline
 
     return MARKDOWN_IMAGE.sub(swap, text), urls
 

@@ -14,6 +14,7 @@ import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,12 +37,19 @@ BIDIRECTIONAL_IMAGE_ATTENTION = frozenset({"gemma3", "gemma3n", "paligemma"})
 """Families whose image tokens attend to each other both ways (a causal step over them would be wrong)."""
 
 
+ROTARY_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""Families whose image tokens take multimodal rotary positions (M-RoPE) from the model's own
+``get_rope_index``, their language model otherwise taking the image embeddings in place of token embeddings
+(later Qwen-VL generations also add image features inside the decoder layers, which tokenmill does not)."""
+
+
 def vision_unavailable_reason(model: Any) -> str | None:
     """Why tokenmill cannot run the vision-language ``model`` (its steps feed the language model image
-    embeddings at the image tokens' positions, with plain positions), or None."""
+    embeddings at the image tokens' positions, with plain positions or, for :data:`ROTARY_FAMILIES`, the
+    multimodal rotary positions the model computes), or None."""
     name, config = type(model).__name__, model.config
-    if any(hasattr(module, "get_rope_index") for module in (model, getattr(model, "model", None)) if module):
-        return f"{name} places image tokens with multimodal rotary positions (M-RoPE), which tokenmill does not compute"
+    if _rope_index(model) is not None and config.model_type not in ROTARY_FAMILIES:
+        return f"{name} places image tokens with multimodal rotary positions (M-RoPE) tokenmill does not compute"
     if getattr(config.get_text_config(), "cross_attention_layers", None):
         return f"{name} reads images through cross-attention layers, which tokenmill does not run"
     if not hasattr(model, "get_image_features"):
@@ -134,6 +142,13 @@ class Vision:
         self.placeholder: str = getattr(processor, "image_token", None) or "<image>"
         """The text that names an image in a prompt; the processor expands each into the image's tokens."""
         self.bidirectional = model_config.model_type in BIDIRECTIONAL_IMAGE_ATTENTION
+        start, end = (getattr(model_config, f"vision_{edge}_token_id", None) for edge in ("start", "end"))
+        self.inline = self.placeholder
+        """How an image stands in a prompt written without the chat template (TGI's markdown images): the
+        placeholder, between the family's start and end tokens where it has them (Qwen2-VL)."""
+        if start is not None and end is not None:
+            start_text, end_text = processor.tokenizer.convert_ids_to_tokens([start, end])
+            self.inline = f"{start_text}{self.placeholder}{end_text}"
 
     def prompt(self, text: str, images: Sequence[DecodedImage],
                add_special_tokens: bool = True) -> tuple[list[int], ImagePrompt]:
@@ -177,6 +192,45 @@ class Vision:
         return tuple(positions[first] for first in firsts)
 
 
+@dataclass(frozen=True)
+class RotaryPositions:
+    """A prompt's multimodal rotary positions (M-RoPE): each token's temporal, height and width positions.
+    Past the prompt, each of the three is the token's index plus :attr:`delta`."""
+
+    prompt: torch.Tensor
+    """``[3, prompt length]``."""
+    delta: int
+
+    def at(self, start: int, length: int) -> torch.Tensor:
+        """``[3, length]``: the positions of the tokens at indexes ``start`` to ``start + length - 1``."""
+        inside = self.prompt[:, start : start + length]
+        beyond = torch.arange(max(start, min(self.prompt.shape[1], start + length)), start + length) + self.delta
+        return torch.cat([inside, beyond.expand(3, -1)], dim=1)
+
+
+def _rope_index(model: Any) -> Any:
+    for module in (model, getattr(model, "model", None)):
+        if module is not None and hasattr(module, "get_rope_index"):
+            return module.get_rope_index
+    return None
+
+
+def place_rotary(model: Any, seqs: Sequence[Any]) -> None:
+    """Set ``rotary_positions`` on each of ``seqs`` with images that has none yet, where ``model`` places its
+    image tokens with multimodal rotary positions (the model's own ``get_rope_index`` over the prompt)."""
+    rope_index = _rope_index(model)
+    if rope_index is None:
+        return
+    for seq in seqs:
+        images = seq.images
+        if images is None or seq.rotary_positions is not None:
+            continue
+        ids = torch.tensor([seq.prompt_ids], dtype=torch.long)
+        positions, delta = rope_index(ids, mm_token_type_ids=(ids == images.token_id).int(),
+                                      image_grid_thw=images.pixels.get("image_grid_thw"))
+        seq.rotary_positions = RotaryPositions(positions[:, 0].cpu(), int(delta.reshape(-1)[0]))
+
+
 def worker_vision(processor: Any, tokenizer: Any, model_config: Any) -> Vision:
     """A :class:`Vision` for one validation worker: ``processor`` with that worker's own copy of the tokenizer
     (the image preprocessing, which keeps no state, is shared)."""
@@ -188,10 +242,49 @@ def worker_vision(processor: Any, tokenizer: Any, model_config: Any) -> Vision:
 
 
 def load_processor(path: Any, trust_remote_code: bool = False) -> Any:
-    """The checkpoint's processor (image preprocessing and the tokenizer that expands image placeholders)."""
+    """The checkpoint's processor (image preprocessing and the tokenizer that expands image placeholders).
+    Where the family's video processor needs torchvision and it is not installed, the processor without it
+    (tokenmill takes no videos)."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ImportError as error:
+        if "torchvision" not in str(error).lower():
+            raise
+        return _images_only_processor(Path(path), trust_remote_code)
+
+
+def _images_only_processor(path: Path, trust_remote_code: bool) -> Any:
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config: dict[str, Any] = {}
+    for name in ("processor_config.json", "preprocessor_config.json"):  # where each transformers version names it
+        if (path / name).is_file() and "processor_class" in (found := json.loads((path / name).read_text())):
+            config = found if name == "processor_config.json" else {"processor_class": found["processor_class"]}
+            break
+    family = getattr(transformers, config.pop("processor_class", ""), None)
+    if family is None:
+        raise ImportError(f"{path}'s processor needs torchvision, and names no processor class to load without it")
+
+    class ImagesOnly(family):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, name: str, argument: Any) -> Any:
+            if name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(name, argument)
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    images = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    template = tokenizer.chat_template
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    elif (path / "chat_template.json").is_file():
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template", template)
+    config = {key: value for key, value in config.items() if not isinstance(value, dict)}  # sub-processors' own
+    return ImagesOnly(image_processor=images, tokenizer=tokenizer, chat_template=template, **config)
 
 
 def encode_images(model: Any, prompts: list[ImagePrompt]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import tokenmill
 from tokenmill.engine.sequence import Sequence
 from tokenmill.interfaces import AttentionKernel, Backend, BackendRunner, PaddedKVCache, PrefillOutput, StepOutput
 from tokenmill.model.lora import adapter_rows
-from tokenmill.model.vision import encode_sequences
+from tokenmill.model.vision import encode_sequences, place_rotary
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +45,25 @@ def _token_types(seqs: list[Sequence], width: int) -> torch.Tensor | None:
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _prefill_positions(seqs: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
+    """The left-padded prompts' positions: ``[3, rows, width]`` where one holds image tokens placed with
+    multimodal rotary positions (Qwen2-VL), else one per token."""
+    positions = _positions(mask)
+    if all(seq.rotary_positions is None for seq in seqs):
+        return positions
+    axes = positions.unsqueeze(0).repeat(3, 1, 1)
+    width = mask.shape[1]
+    for row, seq in enumerate(seqs):
+        if seq.rotary_positions is not None:
+            axes[:, row, width - seq.total_len :] = seq.rotary_positions.at(0, seq.total_len).to(axes.device)
+    return axes
+
+
+def _rotary_delta(seq: Sequence) -> int:
+    """How far a sequence's positions past its prompt lie from their indexes (multimodal rotary positions)."""
+    return seq.rotary_positions.delta if seq.rotary_positions is not None else 0
 
 
 class TransformersRunner(BackendRunner):
@@ -106,6 +125,7 @@ class TransformersRunner(BackendRunner):
         cache = self.kv.new_cache(self.model.config)
         keep_all = any(want_prompt_logits)
         embeds = self._with_images(ids, seqs)
+        place_rotary(self.model, seqs)
         types = _token_types(seqs, ids.shape[1])
         extra = {"token_type_ids": types.to(self.device)} if types is not None else {}
         with adapter_rows(self.model, seqs, [ids.shape[1]] * len(seqs)):  # each row, padding included
@@ -114,7 +134,7 @@ class TransformersRunner(BackendRunner):
                 inputs_embeds=embeds,
                 **extra,
                 attention_mask=mask,
-                position_ids=_positions(mask),
+                position_ids=_prefill_positions(seqs, mask),
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=0 if keep_all else 1,
@@ -167,11 +187,12 @@ class TransformersRunner(BackendRunner):
         by_id = {s.id: s for s in seqs}
         last = torch.tensor([[by_id[row].last_token] for row in self.rows], dtype=torch.long, device=self.device)
         mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        deltas = torch.tensor([[_rotary_delta(by_id[row])] for row in self.rows], device=self.device)
         with adapter_rows(self.model, [by_id[row] for row in self.rows], [1] * len(self.rows)):
             out = self.model(
                 input_ids=last,
                 attention_mask=mask,
-                position_ids=mask.sum(-1, keepdim=True) - 1,
+                position_ids=mask.sum(-1, keepdim=True) - 1 + deltas,
                 cache=self.cache,
                 use_cache=True,
                 logits_to_keep=1,

@@ -25,7 +25,7 @@ from tokenmill.interfaces import (
 )
 from tokenmill.model.compile import inductor_unavailable_reason
 from tokenmill.model.lora import adapter_rows, lora_batch
-from tokenmill.model.vision import encode_sequences
+from tokenmill.model.vision import encode_sequences, place_rotary
 from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ class PagedRunner(BackendRunner):
         starts = [s.num_computed for s in prefill] + [s.total_len - 1 for s in decode]
         lengths = list(chunks) + [1 + len(draft) for draft in fed]
         step, input_ids, positions = self._pack(prefill + decode, starts, lengths, [()] * len(prefill) + fed)
+        place_rotary(self.model, prefill)
+        positions = self._rotary(prefill + decode, starts, lengths, positions)
         wants = list(want_prompt_logits) + [bool(draft) for draft in fed]
         keep = [torch.arange(start, start + n) if want else torch.tensor([start + n - 1])
                 for start, n, want in zip(step.query_starts, lengths, wants)]
@@ -159,6 +161,18 @@ class PagedRunner(BackendRunner):
         as_row = lambda values: torch.tensor([values], dtype=torch.long, device=self.device)  # noqa: E731
         return step, as_row(tokens), as_row(positions)
 
+    def _rotary(self, seqs: list[Any], starts: list[int], lengths: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions as the model takes them: ``[3, 1, tokens]`` where the multimodal rotary positions
+        of a sequence's image tokens differ from axis to axis, else one row (the same on every axis)."""
+        if all(seq.rotary_positions is None for seq in seqs):
+            return positions
+        axes = torch.cat([seq.rotary_positions.at(start, length) if seq.rotary_positions is not None
+                          else torch.arange(start, start + length).expand(3, -1)
+                          for seq, start, length in zip(seqs, starts, lengths)], dim=1).to(self.device)
+        if torch.equal(axes[0], axes[1]) and torch.equal(axes[0], axes[2]):
+            return axes[:1]  # one row: the compiled forward takes it
+        return axes.unsqueeze(1)
+
     def _with_images(self, input_ids: torch.Tensor, prefill: list[Any], starts: list[int], chunks: list[int],
                      query_starts: list[int]) -> torch.Tensor | None:
         """The step's input embeddings with its prompts' image embeddings at their image tokens' positions
@@ -188,7 +202,7 @@ class PagedRunner(BackendRunner):
         if embeds is not None:  # image embeddings: the eager forward, which takes them in place of token ids
             out = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=keep,
                              paged_step=step)
-        elif self.compiled is not None:
+        elif self.compiled is not None and positions.dim() == 2:  # three axes only where images are
             out = self._compiled_forward(input_ids, positions, step, keep)
         if out is None:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
