@@ -588,15 +588,18 @@ def qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
 
 
-@pytest.mark.parametrize("backend", ["paged", "transformers"])
+@pytest.mark.parametrize(("generation", "backend"), [("2", "paged"), ("2", "transformers"), ("2.5", "paged")])
 def test_qwen2_vl_s_image_tokens_take_their_multimodal_rotary_positions(
-        backend: str, qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        generation: str, backend: str, qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Its image tokens take (time, height, width) positions and the text after them positions shifted by
     how much shorter those run than the tokens: on both backends, in prefill chunks that cut the image (paged)
     and through decode, beside a request without an image, the tokens are generate's. The same image again
-    in a chat (paged: its blocks from the prefix cache, so no step holds its tokens) answers the same."""
+    in a chat (paged: its blocks from the prefix cache, so no step holds its tokens) answers the same.
+    Qwen2.5-VL places its images the same way."""
     from transformers import AutoTokenizer
 
+    if generation != "2":
+        qwen2_vl_dir = save_tiny_qwen2_vl(tmp_path_factory.mktemp(f"tiny-qwen{generation}-vl"), generation)
     chunks = ("--max-batch-prefill-tokens", "16") if backend == "paged" else ()
     server = serve(qwen2_vl_dir, tmp_path_factory, "--backend", backend, *chunks)
     images = [random_image(seed) for seed in (40, 41)]

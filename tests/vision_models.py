@@ -156,28 +156,36 @@ def reference_tokens(model_dir: Path, text: str, images: list[Any], max_new_toke
     return out[0, batch["input_ids"].shape[1]:].tolist()
 
 
-def save_tiny_qwen2_vl(target: Path) -> Path:
-    """Qwen2-VL: a ViT over 8×8 patches whose 2×2 neighbours merge into one image token, placed with
-    multimodal rotary positions (M-RoPE: temporal, height and width). Its processor is saved in parts (its
-    tokenizer, image processor and class name): built whole, it needs torchvision for its video processor."""
+def save_tiny_qwen2_vl(target: Path, generation: str = "2") -> Path:
+    """Qwen2-VL (``generation`` "2"; "2.5": Qwen2.5-VL, its vision tower attending in windows): a ViT over 8×8
+    patches whose 2×2 neighbours merge into one image token, placed with multimodal rotary positions (M-RoPE:
+    temporal, height and width). Its processor is saved in parts (its tokenizer, image processor and class
+    name): built whole, it needs torchvision for its video processor."""
     import json
 
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
 
+    family = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[generation]
     tokenizer = _tokenizer("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-    text = {**_text_config(len(tokenizer)), "model_type": "qwen2_vl_text",
+    text = {**_text_config(len(tokenizer)), "model_type": {"2": "qwen2_vl_text", "2.5": "qwen2_5_vl_text"}[generation],
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 8,
-              "spatial_merge_size": 2, "temporal_patch_size": 2}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision,
-                           image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-                           video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-                           vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-                           vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"))
-    _randomized(Qwen2VLForConditionalGeneration(config)).save_pretrained(target)
+    vision: dict[str, Any] = {"depth": 2, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2,
+                              "temporal_patch_size": 2}
+    if generation == "2":
+        vision |= {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+    else:
+        vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "window_size": 32,
+                   "fullatt_block_indexes": [1]}
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"))
+    _randomized(getattr(transformers, f"{family}ForConditionalGeneration")(config)).save_pretrained(target)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", QWEN2_VL_IMAGE)
     tokenizer.save_pretrained(target)
     Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
                              max_pixels=64 * 64).save_pretrained(target)
-    (target / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    (target / "processor_config.json").write_text(json.dumps({"processor_class": f"{family}Processor"}))
     return target

@@ -289,8 +289,8 @@ def load_model(
 
     tokenizer, model, processor = stages.run("loading weights", load, detail=f"{path} ({dtype}, {device})")
     if processor is not None and (reason := vision_unavailable_reason(model)):
-        raise ModelLoadError(f"{reason}; vision-language models tested here: LLaVA, Idefics3 (SmolVLM), Gemma 3 "
-                             "and Qwen2-VL")
+        raise ModelLoadError(f"{reason}; vision-language models tested here: LLaVA, Idefics3 (SmolVLM), Gemma 3, "
+                             "Qwen2-VL and Qwen2.5-VL")
     if quantizer is not None:
         done = stages.run("quantizing", lambda: quantizer.quantize(model), detail=quantizer.name)
         log.info("quantized with %s: %s", quantizer.name, done or "as loaded")
