@@ -340,14 +340,17 @@ def test_the_responses_and_messages_apis_take_images_as_chat_does(llava: Running
         responses = client.post("/v1/responses", json={"max_output_tokens": 8, "temperature": 0, "input": [
             {"role": "user", "content": [{"type": "input_image", "image_url": url},
                                          {"type": "input_text", "text": "Describe it."}]}]})
-        messages = client.post("/v1/messages", json={"max_tokens": 8, "temperature": 0, "model": "tgi", "messages": [
-            {"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}},
-                {"type": "text", "text": "Describe it."}]}]})
+        conversation = [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}},
+            {"type": "text", "text": "Describe it."}]}]
+        messages = client.post("/v1/messages", json={"max_tokens": 8, "temperature": 0, "model": "tgi",
+                                                     "messages": conversation})
+        counted = client.post("/v1/messages/count_tokens", json={"model": "tgi", "messages": conversation})
     assert responses.status_code == 200, responses.text
     assert messages.status_code == 200, messages.text
     assert responses.json()["output"][-1]["content"][0]["text"] == expected
     assert messages.json()["content"][0]["text"] == expected
+    assert counted.json()["input_tokens"] == messages.json()["usage"]["input_tokens"]  # the image's 16 tokens too
 
 
 def test_vllm_s_tokenize_counts_an_image_s_tokens_as_a_chat_does(llava: RunningServer) -> None:

@@ -39,7 +39,6 @@ def chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
-    images: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []  # text and images in their order, where there are images
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
@@ -49,8 +48,7 @@ def chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
             texts.append(block.text or "")
             parts.append({"type": "text", "text": block.text or ""})
         elif block.type == "image" and message.role == "user":
-            images.append({"type": "image_url", "image_url": {"url": image_url(block.source, at)}})
-            parts.append(images[-1])
+            parts.append({"type": "image_url", "image_url": {"url": image_url(block.source, at)}})
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise ValidationError(f"`{at}`: a tool_use block needs `id` and `name`")
@@ -64,6 +62,7 @@ def chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
         elif block.type not in ("thinking", "redacted_thinking"):
             raise ValidationError(f"`{at}`: {block.type} blocks are not supported in a {message.role} message")
     chat = list(results)
+    images = len(parts) > len(texts)  # parts holds the text blocks and the image ones
     if message.role == "assistant" and (texts or calls):
         turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
         if calls:

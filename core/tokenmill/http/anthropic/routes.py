@@ -17,6 +17,8 @@ from tokenmill.http.anthropic.shapes import MessageStream, message_json
 from tokenmill.http.body import ApiError, read_json
 from tokenmill.http.context import caller_of, record_of
 from tokenmill.http.generation import Generation, StreamRun, timing_headers
+from tokenmill.http.images import image_prompt
+from tokenmill.http.openai.chat import message_images
 from tokenmill.http.openai.convert import OpenAIJob, parse_chat, render_chat
 from tokenmill.http.openai.routes import served_model
 from tokenmill.http.openai.schemas import ChatRequest
@@ -78,6 +80,8 @@ class CountTokensRoute:
         def count(validator: Validator) -> int:  # on a validation worker
             chat = check_body(ChatRequest, chat_body(check_body(MessagesInput, body)))
             prompt = render_chat(validator, chat, chat_format).prompt
+            if urls := message_images(chat.messages):  # each image as the tokens the processor gives it
+                return len(image_prompt(validator.vision, validator.config, prompt, urls, False)[0])
             return len(validator.tokenizer.encode(prompt, add_special_tokens=False))
 
         with slot_held(state):

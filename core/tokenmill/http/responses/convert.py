@@ -14,7 +14,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def part_text(content: str | list[dict[str, Any]], where: str) -> str | list[dict[str, Any]]:
+def chat_content(content: str | list[dict[str, Any]], where: str) -> str | list[dict[str, Any]]:
     """A message's content as chat content: its text, or (with ``input_image`` parts) chat's text and
     ``image_url`` parts."""
     if isinstance(content, str):
@@ -43,7 +43,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
         if kind == "message":
             if item.role is None or item.content is None:
                 raise ValidationError(f"`{where}`: a message needs `role` and `content`")
-            messages.append({"role": item.role, "content": part_text(item.content, f"{where}.content")})
+            messages.append({"role": item.role, "content": chat_content(item.content, f"{where}.content")})
         elif kind == "function_call":
             if not item.call_id or not item.name:
                 raise ValidationError(f"`{where}`: a function_call needs `call_id` and `name`")
@@ -58,7 +58,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if not item.call_id or item.output is None:
                 raise ValidationError(f"`{where}`: a function_call_output needs `call_id` and `output`")
             messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": part_text(item.output, f"{where}.output")})
+                             "content": chat_content(item.output, f"{where}.output")})
     return messages
 
 
