@@ -34,6 +34,8 @@ class Repo:
     branches: dict[str, str] = field(default_factory=lambda: {"main": MAIN, "slim": SLIM})
     token: str | None = None
     """A gated repository: its files answer only ``Authorization: Bearer <token>``."""
+    delay: float = 0.0
+    """A slow link: seconds before each file's answer."""
 
     def commit_of(self, revision: str) -> str | None:
         return self.branches.get(revision) or (revision if revision in self.branches.values() else None)
@@ -109,6 +111,7 @@ class HubHandler(BaseHTTPRequestHandler):
         if rest[:1] != ["resolve"]:
             self.error(404, "EntryNotFound", "no such route")
             return
+        time.sleep(repo.delay)
         if repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}":
             self.error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access "
                                          "to it and be authenticated to access it. Please log in.")

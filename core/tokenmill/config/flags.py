@@ -50,6 +50,9 @@ _HELP = {
     "max_images": "most images in one request to a vision-language model (default 4; 0 refuses images)",
     "allow_image_urls": ("fetch images from public http(s) URLs (default: off, images come as data URLs only; "
                          "private, loopback and link-local addresses are never fetched)"),
+    "hold_while_loading": ("generation requests arriving while the model loads wait for it (a stream meanwhile "
+                           "gets SSE comments as heartbeats) instead of a 503; more than this many at once get the 503 "
+                           "(default: 0, every one). /health says 503 until the model is ready either way"),
     "task": ("generate (text), embed (/v1/embeddings, /embed; /score and /rerank by cosine) or score (a cross-encoder, "
              "*ForSequenceClassification: /score, /rerank, /classify); vLLM's embedding and classify are accepted "
              "as names (default: generate)"),

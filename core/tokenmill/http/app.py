@@ -24,6 +24,7 @@ from tokenmill.http.anthropic.routes import CountTokensRoute, MessagesRoute
 from tokenmill.http.body import ApiError
 from tokenmill.http.context import SCOPE_KEY, DisconnectWatch, request_scope
 from tokenmill.http.generation import Generation
+from tokenmill.http.holding import LoadingHold
 from tokenmill.http.middleware import ApiKeyAuth, RequestContext, cors_middleware
 from tokenmill.http.openai.routes import ChatCompletionsRoute, CompletionsRoute, ModelsRoute
 from tokenmill.http.ops import (
@@ -198,4 +199,4 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     from tokenmill.http.openapi import add_document_routes  # the document lists the routes added above
 
     add_document_routes(app, config)
-    return DisconnectWatch(app, state)
+    return DisconnectWatch(LoadingHold(app, state) if config.hold_while_loading else app, state)

@@ -95,18 +95,23 @@ class ApiKeyAuth:
         if is_open(req):
             return
         # ASGI servers hand headers over as latin-1 text: its bytes are what the client sent.
-        anthropic_key = req.get_header("x-api-key")
-        header = req.get_header("Authorization") or (f"Bearer {anthropic_key}" if anthropic_key else "")
-        given = header.encode("latin-1", errors="replace")
-        matched = None
-        for expected, tenant, may_set_priority in self.expected:  # every key compared, whichever matches
-            if hmac.compare_digest(given, expected):
-                matched = tenant, may_set_priority
+        matched = self.match(req.get_header("Authorization"), req.get_header("x-api-key"))
         if matched is None:
             resp.set_header("WWW-Authenticate", "Bearer")
             raise ApiError(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", "authentication")
         scope = request_scope(req)
         scope.tenant, scope.may_set_priority = matched
+
+
+    def match(self, authorization: str | None, anthropic_key: str | None) -> tuple[str, bool] | None:
+        """The tenant and whether it may set priorities, for the key the headers present; None for no key's."""
+        header = authorization or (f"Bearer {anthropic_key}" if anthropic_key else "")
+        given = header.encode("latin-1", errors="replace")
+        matched = None
+        for expected, tenant, may_set_priority in self.expected:  # every key compared, whichever matches
+            if hmac.compare_digest(given, expected):
+                matched = tenant, may_set_priority
+        return matched
 
 
 def tenant_of(key: str) -> str:

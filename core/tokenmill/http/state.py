@@ -110,6 +110,8 @@ class ServerState:
         self.shards: ShardProcesses | None = None
         """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
         self.shard_failure: str | None = None
+        self.load_error: str | None = None
+        """Why the model failed to load (the process exits a moment later)."""
         self.shards_stopping = False
         self.chosen: Chosen | None = None
         self.adapters: AdapterCache | None = None
@@ -240,11 +242,16 @@ class ServerState:
         except Exception as error:  # noqa: BLE001 - report one line, then stop the process
             message = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
             log.error("startup failed: %s", message)
+            self.load_error = message
+            if self.config.hold_while_loading:
+                time.sleep(BROKEN_EXIT_SECONDS)  # the requests held for the load are answered with its error
             logging.shutdown()
             os._exit(3)  # gunicorn treats 3 as "worker failed to boot" and stops instead of retrying
 
     def check_ready(self) -> None:
         """503 unless the server can answer requests now (what /health says)."""
+        if self.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {self.load_error}", "unhealthy")
         if self.shard_failure is not None:
             raise ApiError(503, f"the server is stopping: {self.shard_failure}", "unhealthy")
         engine = self.serving

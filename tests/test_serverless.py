@@ -1,0 +1,121 @@
+"""Scale from zero: with ``--hold-while-loading N``, requests that arrive while the model downloads and
+loads wait for it (a stream keeps its connection with SSE comments) and are answered once it is ready; the
+N+1-th gets its 503 at once, ``/health`` says 503 until ready, and a load that fails answers the held
+requests with its error. The model comes from a stand-in hub on loopback whose link is slow."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RunningServer, launch_server
+from test_download import TOKEN, Repo, StandInHub
+
+SLOW_LINK_SECONDS = 1.5
+"""Before each file's answer: the tiny model's download takes several seconds."""
+
+PROMPT = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6}}
+
+
+@pytest.fixture
+def slow_hub(tiny_model_dir: Path) -> Iterator[StandInHub]:
+    files = {path.name: path.read_bytes() for path in tiny_model_dir.iterdir() if path.is_file()}
+    hub = StandInHub({"org/tiny": Repo(files, delay=SLOW_LINK_SECONDS),
+                      "org/gated": Repo(files, token=TOKEN, delay=SLOW_LINK_SECONDS)})
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+    yield hub
+    hub.shutdown()
+    hub.server_close()
+
+
+def launch_from_hub(hub: StandInHub, repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    *args: str) -> RunningServer:
+    """A server downloading ``repo`` from ``hub``, returned once it answers (503) on /health."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "0"}
+    server = launch_server(["--model-id", repo, "--server", "uvicorn", *args], tmp_path, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503, "ready before the test began"
+            return server
+        except httpx.TransportError:
+            time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"the server never answered:\n{server.log()}")
+
+
+def stream_lines(url: str, path: str, body: dict[str, Any]) -> tuple[int, list[str]]:
+    with httpx.stream("POST", url + path, json=body, timeout=120) as response:
+        return response.status_code, [line for line in response.iter_lines() if line]
+
+
+def generate_and_stream(server: RunningServer, stream_path: str, stream_body: dict[str, Any],
+                        meanwhile: Callable[[], Any] = lambda: None
+                        ) -> tuple[httpx.Response, tuple[int, list[str]], Any]:
+    """A ``/generate`` and a stream sent together, and what ``meanwhile`` returns, run while they wait."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = pool.submit(httpx.post, f"{server.url}/generate", json=PROMPT, timeout=120)
+        streamed = pool.submit(stream_lines, server.url, stream_path, stream_body)
+        other = meanwhile()
+        return held.result(), streamed.result(), other
+
+
+def test_requests_that_arrive_while_the_model_loads_are_answered_once_it_is_ready(
+        slow_hub: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = launch_from_hub(slow_hub, "org/tiny", tmp_path, monkeypatch, "--hold-while-loading", "2")
+    try:
+        def meanwhile() -> tuple[httpx.Response, int]:  # a third request, and /health, while two are held
+            time.sleep(1.0)
+            return (httpx.post(f"{server.url}/generate", json=PROMPT, timeout=10),
+                    httpx.get(f"{server.url}/health", timeout=10).status_code)
+
+        answer, (stream_status, lines), (over, health_while_held) = generate_and_stream(
+            server, "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}, meanwhile)
+        again = httpx.post(f"{server.url}/generate", json=PROMPT, timeout=60)
+    finally:
+        server.stop()
+    assert over.status_code == 503 and over.json()["error_type"] == "unhealthy"  # the third: over the cap
+    assert health_while_held == 503
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["generated_text"] == again.json()["generated_text"]  # as once ready
+    assert stream_status == 200
+    assert lines[0] == ": loading the model"  # a heartbeat while the model loads
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert events and events[-1]["choices"][0]["finish_reason"] and lines[-1] == "data: [DONE]"
+
+
+def test_a_load_that_fails_answers_the_held_requests_with_its_error(
+        slow_hub: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = launch_from_hub(slow_hub, "org/gated", tmp_path, monkeypatch, "--hold-while-loading", "4")
+    try:
+        answer, (stream_status, lines), _ = generate_and_stream(server, "/generate_stream", PROMPT)
+        server.process.wait(30)
+    finally:
+        server.stop()
+    assert answer.status_code == 503
+    assert "failed to load" in answer.json()["error"] and "org/gated" in answer.json()["error"]
+    assert stream_status == 200  # the stream had started: its error is its last event
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["error_type"] == "unhealthy" and "failed to load" in error["error"]
+    assert server.process.returncode == 3
+
+
+def test_without_the_flag_a_request_while_loading_is_a_503_at_once(
+        slow_hub: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = launch_from_hub(slow_hub, "org/tiny", tmp_path, monkeypatch)
+    try:
+        answer = httpx.post(f"{server.url}/generate", json=PROMPT, timeout=10)
+    finally:
+        server.stop()
+    assert answer.status_code == 503 and "not ready yet" in answer.json()["error"]
