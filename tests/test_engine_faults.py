@@ -260,6 +260,27 @@ def test_a_stream_left_unread_past_the_idle_timeout_is_ended_and_its_kv_freed(ti
     assert engine.kv_usage()["blocks_used"] == 0
 
 
+def test_the_engine_falls_asleep_only_once_no_sequence_is_live_and_a_request_wakes_it(tiny_model, tiny_model_dir):
+    reference, tokenizer = tiny_model
+    engine = paged_engine(tiny_model_dir, tokenizer, stream_buffer_tokens=2)
+    sink, told = Collector(), []
+    paused = engine.submit(greedy_request(tokenizer, PROMPTS[1], 500),
+                           CallbackStream(sink, unsent=lambda: len(sink.events)))
+    for _ in range(4):  # prefilled, then paused for its reader
+        engine.run_once()
+    engine.sleep(told.append)
+    engine.run_once()
+    assert told == [False] and not engine.asleep  # a live sequence keeps its KV blocks
+    engine.cancel(paused)
+    engine.sleep(told.append)
+    engine.run_once()
+    assert told == [False, True] and engine.asleep
+    woken = Collector()
+    engine.submit(greedy_request(tokenizer, PROMPTS[2], 8), woken)
+    run_until_done(engine, [woken])
+    assert not engine.asleep and woken.token_ids == reference_greedy(reference, tokenizer, PROMPTS[2], 8)
+
+
 def test_an_idle_engine_thread_sleeps_while_every_sequence_waits_for_its_reader(tiny_model, tiny_model_dir):
     _, tokenizer = tiny_model
     engine = paged_engine(tiny_model_dir, tokenizer, stream_buffer_tokens=2, max_batch_size=1)

@@ -119,3 +119,86 @@ def test_without_the_flag_a_request_while_loading_is_a_503_at_once(
     finally:
         server.stop()
     assert answer.status_code == 503 and "not ready yet" in answer.json()["error"]
+
+
+# --- sleeping while idle --------------------------------------------------------------------------------
+
+KV_BYTES_PER_TOKEN = 8 * 2 * 4 * 64 * 4  # layers × (keys, values) × kv heads × head dim × float32
+
+
+@pytest.fixture(scope="module")
+def wide_kv_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose KV cache is wide (16 KB a token), so that what it holds shows in RSS."""
+    from conftest import tiny_llama_config
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tokenmill.model.loading import DEFAULT_MODEL_FILE, default_gguf
+
+    target = tmp_path_factory.mktemp("wide-kv")
+    config = tiny_llama_config()
+    config.num_hidden_layers, config.num_key_value_heads, config.head_dim = 8, 4, 64
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    gguf = default_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE).save_pretrained(target)
+    return target
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_idle_server_sleeps_gives_its_kv_memory_back_and_wakes_for_the_next_request(
+        wide_kv_model_dir: Path, tmp_path: Path) -> None:
+    from conftest import start_server
+
+    server = start_server(["--model-id", str(wide_kv_model_dir), "--server", "uvicorn", "--dtype", "float32",
+                           "--backend", "paged", "--sleep-after-idle", "2"], tmp_path)
+    long_prompts = [" ".join(f"w{seed}x{i}" for i in range(250)) for seed in range(4)]  # 1,400 tokens each
+    try:
+        with server.client() as client:
+            before = client.post("/generate", json=PROMPT).json()["generated_text"]
+            for prompt in long_prompts:  # their blocks stay in the prefix cache: memory the pool touched
+                done = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 1}})
+                assert done.status_code == 200, done.text
+            awake_rss = rss_bytes(server.process.pid)
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+            deadline = time.monotonic() + 30
+            while not client.get("/is_sleeping").json()["is_sleeping"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            asleep_rss = rss_bytes(server.process.pid)
+            info, health = client.get("/info").json(), client.get("/health").status_code
+            after = client.post("/generate", json=PROMPT).json()["generated_text"]
+            woken = client.get("/is_sleeping").json()["is_sleeping"]
+    finally:
+        server.stop()
+    assert info["sleeping"] is True and health == 200  # asleep, and still able to serve
+    held_kv = 4 * 1_200 * KV_BYTES_PER_TOKEN
+    assert awake_rss - asleep_rss > held_kv / 2, (awake_rss, asleep_rss)
+    assert after == before and woken is False
+
+
+def test_sleep_and_wake_up_on_demand(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from conftest import start_server
+
+    server = start_server(["--model-id", str(tiny_model_dir), "--server", "uvicorn", "--api-key", "k"], tmp_path)
+    try:
+        with server.client() as client:
+            headers = {"Authorization": "Bearer k"}
+            unauthorized = client.post("/sleep").status_code
+            before = client.post("/generate", json=PROMPT, headers=headers).json()["generated_text"]
+            slept = client.post("/sleep", headers=headers).json()
+            sleeping = client.get("/is_sleeping", headers=headers).json()["is_sleeping"]
+            woke = client.post("/wake_up", headers=headers).json()
+            client.post("/sleep", headers=headers)
+            after = client.post("/generate", json=PROMPT, headers=headers).json()["generated_text"]
+    finally:
+        server.stop()
+    assert unauthorized == 401
+    assert slept == {"is_sleeping": True} and sleeping is True and woke == {"is_sleeping": False}
+    assert after == before  # a request wakes it, and the answer is the same

@@ -88,6 +88,7 @@ class Config:
     max_images: int = 4
     allow_image_urls: bool = False
     hold_while_loading: int = 0
+    sleep_after_idle: float = 0.0
     task: str = "generate"
     runner: str | None = None
     tool_call_parser: str | None = None
@@ -172,6 +173,8 @@ class Config:
             raise ConfigError("--sharded true needs more than one shard: --num-shard 1 (or one visible GPU) gives one")
         if self.num_shard > 1 and self.quantize:
             raise ConfigError(f"--quantize {self.quantize} cannot shard yet: run it with --num-shard 1")
+        if self.sleep_after_idle < 0:
+            raise ConfigError(f"--sleep-after-idle must be >= 0 (got {self.sleep_after_idle:g})")
         if self.hold_while_loading < 0:
             raise ConfigError(f"--hold-while-loading must be >= 0 (got {self.hold_while_loading})")
         if self.max_images < 0:

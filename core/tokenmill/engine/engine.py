@@ -65,6 +65,8 @@ class Engine(BackendSurface):
         self._faults_seen = 0
         """Scheduler faults already counted against a step."""
         self._published: tuple[tuple[Sequence, ...], ...] = ((), (), ())
+        self.asleep = False
+        """Its KV memory went back to the system while idle (:meth:`sleep`); the next request wakes it."""
 
     # ---- called from the HTTP side ----
     def submit(self, request: GenerationRequest, stream: EventStream | EventSink, seed: int | None = None,
@@ -101,6 +103,21 @@ class Engine(BackendSurface):
         (from the engine thread) with how many."""
         if not self.inbox.reset(done):
             done(0)
+
+    def sleep(self, done: Callable[[bool], None]) -> None:
+        """Once nothing runs, drop the prefix cache and give the KV memory back to the system between two
+        steps; ``done`` is then told (from the engine thread) whether it sleeps: not while requests are live."""
+        if not self.inbox.reset(lambda _: done(self._fall_asleep())):
+            done(False)
+
+    def _fall_asleep(self) -> bool:
+        if self.scheduler.live.all():
+            return False
+        release = getattr(self.scheduler.runner, "release_memory", None)
+        log.info("asleep: %d bytes of KV memory given back", release() if release is not None else 0)
+        trim_heap()
+        self.asleep = True
+        return True
 
     def drop_cached_prefixes(self) -> int:
         """(Engine thread.) What :meth:`reset_prefix_cache` does; an engine-owning backend's engine
@@ -212,6 +229,7 @@ class Engine(BackendSurface):
     def _take_inbox(self) -> None:
         """Queue the new sequences, free the cancelled ones, then answer the prefix-cache resets (whatever raised)."""
         incoming, cancelled, resets = self.inbox.take()
+        self.asleep = self.asleep and not incoming  # its KV memory comes back as the new sequences write it
         try:
             for seq in incoming:
                 if not seq.cancelled:

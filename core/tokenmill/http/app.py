@@ -47,6 +47,7 @@ from tokenmill.http.pooling.routes import (
 )
 from tokenmill.http.responses.routes import ResponsesRoute, StoredResponseRoute
 from tokenmill.http.responses.store import ResponseStore
+from tokenmill.http.sleep import IsSleepingRoute, SleepRoute, WakeUpRoute, sleep_when_idle
 from tokenmill.http.state import ServerState
 from tokenmill.http.tgi.routes import GenerateRoute
 from tokenmill.http.tokens import ChatTokenizeRoute, DetokenizeRoute, TokenizerInfoRoute, TokenizeRoute
@@ -189,6 +190,11 @@ def create_app(config: Config, pm: pluggy.PluginManager | None = None) -> Discon
     app.add_route("/version", VersionRoute())
     app.add_route("/adapters", AdaptersRoute(state))
     app.add_route("/reset_prefix_cache", ResetPrefixCacheRoute(state))
+    app.add_route("/sleep", SleepRoute(state))
+    app.add_route("/wake_up", WakeUpRoute(state))
+    app.add_route("/is_sleeping", IsSleepingRoute(state))
+    if config.sleep_after_idle and config.task == "generate":
+        sleep_when_idle(state, config.sleep_after_idle)
     if config.enable_profiling:
         app.add_route("/debug/profile", ProfileRoute())
     errors = ErrorHandlers(state)

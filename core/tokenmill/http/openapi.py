@@ -32,7 +32,8 @@ SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
 
 STATUS_TEXT = {
     401: "No API key, or the wrong one (--api-key)", 403: "Not allowed on this server",
-    404: "Not found here (no such adapter, no fast tokenizer, ...)", 413: "The body is larger than --payload-limit",
+    404: "Not found here (no such adapter, no fast tokenizer, ...)", 409: "Not now: requests are running",
+    413: "The body is larger than --payload-limit",
     422: "Invalid request (`error_type` validation)", 424: "The generation failed (`error_type` generation)",
     429: "Overloaded: --max-concurrent-requests are in flight", 500: "Internal error",
     501: "Not available on this server", 503: "Not ready yet (loading), unhealthy, or shutting down",

@@ -80,6 +80,7 @@ class Slot:
         if self.held:
             self.held = False
             self.state.in_flight -= 1
+            self.state.last_request = time.monotonic()
             if self.adapter is not None and self.state.adapters is not None:
                 self.state.adapters.release(self.adapter)
 
@@ -124,6 +125,8 @@ class ServerState:
         """Once loaded: the parsers that read chat outputs' tool calls and reasoning."""
         self.vocab_size = 0
         self.in_flight = 0
+        self.last_request = time.monotonic()
+        """When a request last took or gave back its concurrency slot (``--sleep-after-idle`` counts from it)."""
         self.draining = False
         """Set by SIGTERM: /health and new requests say 503 while those in flight finish."""
         self.metrics = Metrics(self.live_snapshot)
@@ -332,4 +335,5 @@ class ServerState:
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
         self.in_flight += 1
+        self.last_request = time.monotonic()
         return Slot(self)

@@ -36,7 +36,11 @@ class BlockPool(Protocol):
     A pool may also offer ``truncate(seq_id, tokens)``: keep only the sequence's first ``tokens``
     positions, zeroing the rest of the block that holds the last of them and freeing the blocks after
     it. The paged runner calls it to drop rejected drafts (``--speculate``); without it they stay
-    until overwritten, never read (a sequence's context length masks them)."""
+    until overwritten, never read (a sequence's context length masks them).
+
+    It may also offer ``release_memory() -> int``: while no sequence holds a block, forget every cached
+    block and give the blocks' memory back to the operating system (bytes returned). The paged runner
+    calls it when the server sleeps (``--sleep-after-idle``, ``POST /sleep``)."""
 
     block_size: int
     num_blocks: int

@@ -96,6 +96,33 @@ def trim_heap() -> bool:
     there is no glibc. Tensors of ever-changing sizes (each step's batch) leave freed memory scattered
     over malloc's arenas, which glibc keeps: without a trim now and then a server's resident memory
     creeps up although nothing leaks."""
+    libc = _c_library()
+    if not libc:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+MADV_DONTNEED = 4  # Linux's value
+
+
+def release_pages(tensor: torch.Tensor) -> int:
+    """Give the whole memory pages inside a CPU ``tensor`` back to the operating system (``madvise``
+    ``MADV_DONTNEED``), keeping the tensor: its contents are lost, and those pages read as zeros and take
+    memory again only once written. How many bytes; 0 off Linux or for a tensor on another device."""
+    libc = _c_library()
+    if not libc or tensor.device.type != "cpu" or not tensor.is_contiguous() or not hasattr(libc, "madvise"):
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    first = -(-start // page) * page
+    last = (start + tensor.nelement() * tensor.element_size()) // page * page
+    if last <= first or libc.madvise(first, last - first, MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
+def _c_library() -> Any:
     global _libc
     if _libc is None:
         import ctypes
@@ -104,12 +131,10 @@ def trim_heap() -> bool:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):
             _libc = False
-    if not _libc:
-        return False
-    _libc.malloc_trim(0)
-    return True
+    return _libc
 
 
 _libc: Any = None

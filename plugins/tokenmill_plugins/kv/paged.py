@@ -19,7 +19,7 @@ import torch
 
 import tokenmill
 from tokenmill.interfaces import BlockPool, CachingBlockPool, KVAllocator, blocks_for
-from tokenmill.model.kv_memory import model_kv_shape
+from tokenmill.model.kv_memory import model_kv_shape, release_pages
 
 
 class PagedPool(CachingBlockPool):
@@ -113,6 +113,14 @@ class PagedPool(CachingBlockPool):
     def free_all(self) -> None:
         for seq_id in list(self.tables):
             self.free(seq_id)
+
+    def release_memory(self) -> int:
+        """Give every block's memory back to the operating system, the cached blocks' names with it, while
+        no sequence holds a block (the server sleeps); blocks take memory again as they are written. How
+        many bytes went back."""
+        assert not self.tables, "sequences still hold blocks"
+        self.drop_cached()
+        return sum(release_pages(tensor) for tensor in self.keys + self.values)
 
     def bytes_per_block(self) -> int:
         tensor = self.keys[0] if self.keys else None

@@ -65,6 +65,8 @@ class Info(ResponseModel):
     load_stages: list[LoadStage] | None = None
     forward: Literal["eager", "compiling", "compiled"] | None = None
     """The model forward the steps run: compiled, eager, or eager while the compiled one is built."""
+    sleeping: bool | None = None
+    """The server sleeps (``--sleep-after-idle``, ``POST /sleep``): its KV memory went back to the system."""
     queue_size: int | None = None
     batch_size: int | None = None
 
@@ -119,6 +121,12 @@ class LoadedAdapter(ResponseModel):
 class PrefixCacheReset(ResponseModel):
     prefix_caching: bool
     dropped_blocks: int = Field(ge=0)
+
+
+class Sleeping(ResponseModel):
+    """``/sleep``, ``/wake_up`` and ``/is_sleeping`` (vLLM's)."""
+
+    is_sleeping: bool
 
 
 class VllmTokenizePrompt(RequestModel):

@@ -99,6 +99,11 @@ class PagedRunner(BackendRunner):
             raise ValueError(reason)
         self.prefix_caching = True
 
+    def release_memory(self) -> int:
+        """Give the KV pool's memory back to the operating system while nothing runs (the server sleeps)."""
+        release = getattr(self.kv_pool, "release_memory", None)
+        return release() if release is not None else 0
+
     @property
     def kv_block_size(self) -> int:
         return self.kv_pool.block_size
