@@ -173,11 +173,13 @@ def test_an_idle_server_sleeps_gives_its_kv_memory_back_and_wakes_for_the_next_r
                 time.sleep(0.2)
             asleep_rss = rss_bytes(server.process.pid)
             info, health = client.get("/info").json(), client.get("/health").status_code
+            gauge = [line for line in client.get("/metrics").text.splitlines() if line.startswith("tokenmill_sleeping")]
             after = client.post("/generate", json=PROMPT).json()["generated_text"]
             woken = client.get("/is_sleeping").json()["is_sleeping"]
     finally:
         server.stop()
     assert info["sleeping"] is True and health == 200  # asleep, and still able to serve
+    assert gauge == ["tokenmill_sleeping 1.0"]
     held_kv = 4 * 1_200 * KV_BYTES_PER_TOKEN
     assert awake_rss - asleep_rss > held_kv / 2, (awake_rss, asleep_rss)
     assert after == before and woken is False

@@ -316,6 +316,7 @@ class ServerState:
             "queue_by_class": {name: sum(1 for entry in view["pending"] if entry["priority"] == name)
                                for name in PRIORITY_CLASSES},
             "kv": engine.kv_usage(),
+            "sleeping": engine.asleep,
             "lora": self.adapters.usage() if self.adapters is not None else None,
             "preemptions": engine.preemptions,
             "suspensions": engine.suspensions,

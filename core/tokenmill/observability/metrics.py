@@ -244,6 +244,9 @@ class LiveGauges(Collector):
             by_class.add_metric([name], waiting)
         yield by_class
         kv = now["kv"]
+        if "sleeping" in now:
+            yield GaugeMetricFamily("tokenmill_sleeping", "1 while the server sleeps (--sleep-after-idle, POST /sleep)",
+                                    value=int(now["sleeping"]))
         yield GaugeMetricFamily("tokenmill_kv_cache_bytes", "bytes of KV cache held", value=kv.get("bytes", 0))
         if "blocks_total" in kv:
             yield GaugeMetricFamily("tokenmill_kv_blocks_used", "KV blocks in use", value=kv["blocks_used"])
