@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
-from bench import peers
+from bench import peers, serverless
 from bench.common import (
     Progress,
     default_checkpoint,
@@ -51,26 +50,28 @@ from bench.common import (
     numbered,
     refusal,
     render,
-    server_info,
     versions,
 )
 from bench.loadgen import Prompt, RequestResult, one_request, run_load
 from bench.report import fmt, ratio, replace_section, table
+from bench.starts import (
+    LOGS,
+    MIB,
+    POLL_S,
+    TimedServer,
+    tokenmill_system,
+    tree_memory,
+    wait_compiled,
+)
 
 ABOUT = ("first and warm starts of tokenmill and vLLM CPU (time to ready, the first request's TTFT, RSS at "
          "rest and under c=64), and tokenmill in a memory cgroup")
 """What ``python -m bench --help`` says the scenario runs."""
 BENCH_DIR = Path(__file__).resolve().parent
-LOGS = BENCH_DIR / "out" / "logs"
-MIB = 2**20
-POLL_S = 0.05
 IDLE_S = 3.0
 CONCURRENCY = 64
 FIRST_TOKENS = 32
 FIRST_MESSAGES = [{"role": "user", "content": "Name three primary colors, one per line."}]
-COMPILE_STAGE = "compiling the forward"
-"""tokenmill's background compile: a load stage that runs after ready, so it has no share of it."""
-OTHER_STAGE = "other (process start, imports, the HTTP server)"
 KINDS = {"first": "first start", "warm": "warm start", "contained": "warm start, in a memory cgroup"}
 KV_POOL = re.compile(r"KV pool: (\d+) positions \((\d+) MiB of (\d+) MiB allowed\)")
 BINDS = re.compile(r"the container's memory limit binds: (\d+) MiB of (\d+) MiB left \((.*?)\), the host has (\d+) MiB")
@@ -100,15 +101,6 @@ def limit_binds(log: str) -> dict[str, Any] | None:
     found = BINDS.findall(log)
     keys = ("left_mib", "limit_mib", "source", "host_mib")
     return {k: v if k == "source" else int(v) for k, v in zip(keys, found[-1])} if found else None
-
-
-def stage_shares(stages: list[dict[str, Any]], ready_s: float) -> list[dict[str, Any]]:
-    """Each load stage with its share of the time to ready, and what the stages leave of it; the
-    background compile runs after ready and has no share."""
-    rows = [{"stage": s["stage"], "seconds": s["seconds"], "detail": s.get("detail", ""),
-             "share": None if s["stage"] == COMPILE_STAGE or not ready_s else s["seconds"] / ready_s} for s in stages]
-    rest = ready_s - sum(r["seconds"] for r in rows if r["share"] is not None)
-    return [*rows, {"stage": OTHER_STAGE, "seconds": round(rest, 3), "detail": "", "share": rest / ready_s}]
 
 
 def counters(text: str) -> dict[str, int]:
@@ -209,28 +201,6 @@ def make_cgroup(limit_bytes: int, root: Path = Path("/sys/fs/cgroup")) -> Cgroup
 
 # ---- one start -------------------------------------------------------------------------------
 
-class TimedServer(peers.RunningServer):
-    """A RunningServer that polls its health every ``POLL_S`` and notes when it first answered 200."""
-
-    def __init__(self, system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, log: Path) -> None:
-        self.spawned = time.monotonic()
-        self.ready_s = float("nan")
-        super().__init__(system, checkpoint, peers_dir, log)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        with httpx.Client(timeout=5) as client:
-            while time.monotonic() < self.spawned + timeout_s:
-                if self.process.poll() is not None:
-                    raise peers.ServerError(f"{self.system.name} exited with {self.process.returncode} while "
-                                            f"starting; last lines of {self.log_path}:\n{peers.tail(self.log_path)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(self.url + self.system.health_path).status_code == 200:
-                        self.ready_s = time.monotonic() - self.spawned
-                        return
-                time.sleep(POLL_S)
-        raise peers.ServerError(f"{self.system.name} was not healthy after {timeout_s:.0f} s; see {self.log_path}")
-
-
 @contextlib.contextmanager
 def peak(read: Callable[[], int], interval_s: float = 0.25) -> Iterator[list[int]]:
     """``[the largest value read() gave]``, sampled every ``interval_s`` in a thread while inside ``with``."""
@@ -255,21 +225,6 @@ def healthy(server: peers.RunningServer) -> bool:
     return False
 
 
-def tree_memory(server: peers.RunningServer) -> dict[str, float | None]:
-    """RSS and PSS (MiB) summed over the server's process and every process under it."""
-    try:
-        root = psutil.Process(server.process.pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {"rss_mib": None, "pss_mib": None}
-    rss = pss = 0
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            info = process.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
-    return {"rss_mib": round(rss / MIB, 1), "pss_mib": round(pss / MIB, 1), "processes": len(processes)}
-
-
 def first_request(server: TimedServer, prompt: Prompt, model: str) -> dict[str, Any]:
     """One streaming request sent the moment the server is ready; its TTFT counts from ready."""
     async def send() -> tuple[RequestResult, float]:
@@ -282,17 +237,6 @@ def first_request(server: TimedServer, prompt: Prompt, model: str) -> dict[str, 
     result, lag = asyncio.run(send())
     return {"ttft_s": None if result.ttft is None else round(lag + result.ttft, 3), "tokens": result.tokens,
             "tokens_per_s": result.tokens / result.latency if result.latency else None, "error": result.error}
-
-
-def wait_compiled(server: TimedServer, timeout_s: float = 900) -> dict[str, Any]:
-    """Poll tokenmill's /info until ``forward`` is no longer ``compiling``; its load stages then."""
-    info = server_info(server.url)
-    while info.get("forward") == "compiling" and time.monotonic() < server.spawned + timeout_s:
-        time.sleep(0.25)
-        info = server_info(server.url)
-    compiled = info.get("forward") == "compiled"
-    return {"forward": info.get("forward"), "compiled_s": round(time.monotonic() - server.spawned, 2)
-            if compiled else None, "stages": stage_shares(info.get("load_stages") or [], server.ready_s)}
 
 
 def load(server: TimedServer, requests: list[Prompt], size: Size, model: str, progress: Progress,
@@ -344,15 +288,6 @@ def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers
             entry["load"] = load(server, requests, size, model, progress, cgroup)
     text = log.read_text(errors="replace") if log.exists() else ""
     return {**entry, "kv_pool": kv_pool(text), "limit_binds": limit_binds(text)}
-
-
-def tokenmill_system(cache_dir: Path, cgroup: Cgroup | None = None, extra: tuple[str, ...] = ()) -> peers.System:
-    def command(checkpoint: peers.Checkpoint, port: int, peers_dir: Path) -> list[str]:
-        argv = [sys.executable, "-m", "tokenmill", "launch", "--hostname", "127.0.0.1", "--port", str(port), *extra]
-        return ["env", "-u", "TORCHINDUCTOR_CACHE_DIR", "-u", "TORCH_EXTENSIONS_DIR",
-                *(cgroup.wrap(argv) if cgroup else argv)]
-    return peers.System("tokenmill", "tgi", peers.default_format(), command,
-                        env={"TOKENMILL_CACHE_DIR": str(cache_dir)}, note="tokenmill launch (gunicorn), defaults")
 
 
 def contained(cache_dir: Path, limit_bytes: int, checkpoint: peers.Checkpoint, peers_dir: Path, first: Prompt,
@@ -499,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser().parse_args(argv)
     if args.from_json:
-        print(render_section(json.loads(args.from_json.read_text())), end="")
+        saved = json.loads(args.from_json.read_text())
+        print((serverless.render_section if "burst" in saved else render_section)(saved), end="")
         return
     size, progress, checkpoint = QUICK if args.quick else FULL, Progress(), default_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.hf_dir)
@@ -512,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         "memory_limit_gib": args.memory_limit_gib, "concurrency": CONCURRENCY,
         "versions": versions(checkpoint, args.peers_dir, [s for s in args.systems if s in peers.SYSTEMS]),
         "systems": {}}
-    if args.part != "starts":
+    if args.part != "starts" and "tokenmill" in args.systems:
         serverless_part(args, argv, checkpoint, first, requests, progress)
     if args.part == "serverless":
         return
@@ -559,8 +495,6 @@ def write(args: argparse.Namespace, name: str, run: dict[str, Any], section: str
 def serverless_part(args: argparse.Namespace, argv: list[str] | None, checkpoint: peers.Checkpoint, first: Prompt,
                     requests: list[Prompt], progress: Progress) -> None:
     """Run :mod:`bench.serverless` and write its section."""
-    from bench import serverless  # it builds on this module's servers, so it imports this one
-
     with tempfile.TemporaryDirectory(prefix="tokenmill-serverless-") as cache:
         found = serverless.run(Path(cache), checkpoint, args.peers_dir, first, requests, progress)
     run = {**found, "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M-Instruct", "machine": machine(),

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from bench import coldstart, peers
+from bench import peers, starts
 from bench.common import Progress
 from bench.loadgen import Prompt, RequestResult, one_request, run_load
 from bench.report import fmt
@@ -47,22 +47,22 @@ def ttft(server: peers.RunningServer, prompt: Prompt, model: str) -> float | Non
 def asleep(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, first: Prompt,
            requests: list[Prompt], progress: Progress) -> dict[str, Any]:
     """RSS awake and asleep, and the TTFT of a request to the server awake and asleep."""
-    log = coldstart.LOGS / "coldstart-tokenmill-sleep.log"
+    log = starts.LOGS / "coldstart-tokenmill-sleep.log"
     progress.say(f"start tokenmill with --sleep-after-idle {SLEEP_AFTER_IDLE_S}")
-    server = coldstart.TimedServer(system, checkpoint, peers_dir, log)
+    server = starts.TimedServer(system, checkpoint, peers_dir, log)
     model = system.model_name(checkpoint)
     with server:
-        coldstart.wait_compiled(server)
+        starts.wait_compiled(server)
         asyncio.run(run_load(server.url, system.api, requests[:TOUCH_REQUESTS], concurrency=TOUCH_CONCURRENCY,
                              requests=TOUCH_REQUESTS, max_new_tokens=TOKENS, time_bound_s=600, model=model))
-        awake = coldstart.tree_memory(server)
+        awake = starts.tree_memory(server)
         awake_ttft = ttft(server, first, model)
         deadline = time.monotonic() + 60
         while not httpx.get(server.url + "/is_sleeping", timeout=10).json()["is_sleeping"]:
             if time.monotonic() > deadline:
                 return {"skipped": "the server did not fall asleep within 60 s"}
             time.sleep(0.2)
-        sleeping = coldstart.tree_memory(server)
+        sleeping = starts.tree_memory(server)
         asleep_ttft = ttft(server, first, model)
     progress.say(f"  RSS awake {awake['rss_mib']} MiB, asleep {sleeping['rss_mib']} MiB; TTFT awake "
                  f"{awake_ttft} s, asleep {asleep_ttft} s")
@@ -71,7 +71,7 @@ def asleep(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, 
             "ttft_awake_s": awake_ttft, "ttft_asleep_s": asleep_ttft}
 
 
-class BurstServer(coldstart.TimedServer):
+class BurstServer(starts.TimedServer):
     """A start whose burst of requests is sent the moment the process is spawned, while it loads."""
 
     def __init__(self, *args: Any, prompts: list[Prompt], model: str, **kwargs: Any) -> None:
@@ -82,7 +82,7 @@ class BurstServer(coldstart.TimedServer):
 
     def _wait_healthy(self, timeout_s: float) -> None:
         """The burst, while the base class polls /health (and times ready) in a thread of its own."""
-        polling = threading.Thread(target=coldstart.TimedServer._wait_healthy, args=(self, timeout_s), daemon=True)
+        polling = threading.Thread(target=starts.TimedServer._wait_healthy, args=(self, timeout_s), daemon=True)
         polling.start()
         self.results = asyncio.run(self._burst())
         self.last_answer_s = time.monotonic() - self.spawned
@@ -109,7 +109,7 @@ class BurstServer(coldstart.TimedServer):
 def burst(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, requests: list[Prompt],
           progress: Progress) -> dict[str, Any]:
     """32 requests sent at spawn to a server holding up to 64 while it loads."""
-    log = coldstart.LOGS / "coldstart-tokenmill-burst.log"
+    log = starts.LOGS / "coldstart-tokenmill-burst.log"
     progress.say(f"start tokenmill with --hold-while-loading {HOLD}, {BURST} requests sent at spawn")
     try:
         server = BurstServer(system, checkpoint, peers_dir, log, prompts=requests[:BURST],
@@ -159,7 +159,7 @@ def render_section(run: dict[str, Any]) -> str:
 def run(cache_dir: Path, checkpoint: peers.Checkpoint, peers_dir: Path, first: Prompt, requests: list[Prompt],
         progress: Progress) -> dict[str, Any]:
     """Both measurements, each on a start of its own over ``cache_dir``."""
-    sleepy = coldstart.tokenmill_system(cache_dir, extra=("--sleep-after-idle", str(SLEEP_AFTER_IDLE_S)))
-    holding = coldstart.tokenmill_system(cache_dir, extra=("--hold-while-loading", str(HOLD)))
+    sleepy = starts.tokenmill_system(cache_dir, extra=("--sleep-after-idle", str(SLEEP_AFTER_IDLE_S)))
+    holding = starts.tokenmill_system(cache_dir, extra=("--hold-while-loading", str(HOLD)))
     return {"asleep": asleep(sleepy, checkpoint, peers_dir, first, requests, progress),
             "burst": burst(holding, checkpoint, peers_dir, requests, progress)}

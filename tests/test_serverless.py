@@ -95,6 +95,22 @@ def test_requests_that_arrive_while_the_model_loads_are_answered_once_it_is_read
     assert events and events[-1]["choices"][0]["finish_reason"] and lines[-1] == "data: [DONE]"
 
 
+def test_a_client_that_leaves_while_held_gives_its_place_back_and_a_body_over_the_limit_is_not_held(
+        slow_hub: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = launch_from_hub(slow_hub, "org/tiny", tmp_path, monkeypatch, "--hold-while-loading", "1",
+                             "--payload-limit", "1000")
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # held, then the client gives up
+            httpx.post(f"{server.url}/generate", json=PROMPT, timeout=1.0)
+        too_large = httpx.post(f"{server.url}/generate", timeout=10,
+                               json={"inputs": "x" * 2000, "parameters": {"max_new_tokens": 2}})
+        answer = httpx.post(f"{server.url}/generate", json=PROMPT, timeout=120)  # the one place is free again
+    finally:
+        server.stop()
+    assert too_large.status_code == 413
+    assert answer.status_code == 200, answer.text
+
+
 def test_a_load_that_fails_answers_the_held_requests_with_its_error(
         slow_hub: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = launch_from_hub(slow_hub, "org/gated", tmp_path, monkeypatch, "--hold-while-loading", "4")

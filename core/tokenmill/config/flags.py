@@ -54,8 +54,8 @@ _HELP = {
                            "gets SSE comments as heartbeats) instead of a 503; more than this many at once get the 503 "
                            "(default: 0, every one). /health says 503 until the model is ready either way"),
     "sleep_after_idle": ("seconds without a request after which the server sleeps: it drops its prefix cache and "
-                         "gives its KV memory back to the system, and wakes at the next request (/health stays 200; "
-                         "default: 0, never). POST /sleep and /wake_up do the same on demand"),
+                         "(paged backend, CPU) gives its KV memory back to the system, and wakes at the next request "
+                         "(/health stays 200; default: 0, never). POST /sleep and /wake_up do the same on demand"),
     "task": ("generate (text), embed (/v1/embeddings, /embed; /score and /rerank by cosine) or score (a cross-encoder, "
              "*ForSequenceClassification: /score, /rerank, /classify); vLLM's embedding and classify are accepted "
              "as names (default: generate)"),

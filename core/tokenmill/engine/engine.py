@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from tokenmill.engine.health import Broken, EngineHealth
-from tokenmill.engine.inbox import Inbox, ResetDone
+from tokenmill.engine.inbox import Chore, Inbox, ResetDone
 from tokenmill.engine.output import Output, emit
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduling import Admission
@@ -101,18 +101,23 @@ class Engine(BackendSurface):
     def reset_prefix_cache(self, done: ResetDone) -> None:
         """Drop every cached block that no sequence holds, between two steps; ``done`` is then called
         (from the engine thread) with how many."""
-        if not self.inbox.reset(done):
+        if not self.inbox.ask(Chore(self.drop_cached_prefixes, done, 0)):
             done(0)
 
     def sleep(self, done: Callable[[bool], None]) -> None:
-        """Once nothing runs, drop the prefix cache and give the KV memory back to the system between two
-        steps; ``done`` is then told (from the engine thread) whether it sleeps: not while requests are live."""
-        if not self.inbox.reset(lambda _: done(self._fall_asleep())):
+        """Between two steps, if no sequence is live, drop the prefix cache and give the KV memory back to the
+        system (where the runner can); ``done`` is then told whether it sleeps."""
+        if not self.inbox.ask(Chore(self._fall_asleep, done, False)):
             done(False)
+
+    def wake_up(self) -> None:
+        """Be awake from the next step on (the KV memory comes back as requests write it)."""
+        self.inbox.ask(Chore(lambda: setattr(self, "asleep", False), lambda _: None, None))
 
     def _fall_asleep(self) -> bool:
         if self.scheduler.live.all():
             return False
+        self.drop_cached_prefixes()
         release = getattr(self.scheduler.runner, "release_memory", None)
         log.info("asleep: %d bytes of KV memory given back", release() if release is not None else 0)
         trim_heap()
@@ -227,8 +232,8 @@ class Engine(BackendSurface):
         self._published = (tuple(scheduler.waiting.pending()), tuple(scheduler.prefilling), tuple(scheduler.running))
 
     def _take_inbox(self) -> None:
-        """Queue the new sequences, free the cancelled ones, then answer the prefix-cache resets (whatever raised)."""
-        incoming, cancelled, resets = self.inbox.take()
+        """Queue the new sequences, free the cancelled ones, then do the chores asked for (whatever raised)."""
+        incoming, cancelled, chores = self.inbox.take()
         self.asleep = self.asleep and not incoming  # its KV memory comes back as the new sequences write it
         try:
             for seq in incoming:
@@ -240,7 +245,7 @@ class Engine(BackendSurface):
                 self.scheduler.waiting.remove(seq)
             self.release(cancelled)
         finally:
-            self.inbox.answer(resets, self.drop_cached_prefixes)
+            self.inbox.answer(chores)
 
     def _loop(self) -> None:
         try:

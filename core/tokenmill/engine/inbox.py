@@ -1,11 +1,13 @@
 """What the HTTP side hands the engine thread between two steps: new sequences, cancellations and
-prefix-cache resets, behind one lock whose condition also wakes the idle loop."""
+chores (a prefix-cache reset, a sleep), behind one lock whose condition also wakes the idle loop."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.engine.sequence import Sequence
 
@@ -21,12 +23,22 @@ ResetDone = Callable[[int], None]
 """Told, from the engine thread, how many cached blocks a reset dropped."""
 
 
+@dataclass(frozen=True)
+class Chore:
+    """Work the engine thread does between two steps for another thread, and whom it tells the outcome."""
+
+    run: Callable[[], Any]
+    done: Callable[[Any], None]
+    refused: Any
+    """What ``done`` is told when ``run`` raised, or when the engine stopped before running it."""
+
+
 class Inbox:
     def __init__(self) -> None:
         self._wake = threading.Condition()
         self._incoming: list[Sequence] = []
         self._cancelled: dict[int, Sequence] = {}
-        self._resets: list[ResetDone] = []
+        self._chores: list[Chore] = []
         self.stopping = False
         self.closed = False
         """Set when the loop has ended: later submissions fail at once instead of waiting forever."""
@@ -46,12 +58,13 @@ class Inbox:
             self._cancelled[seq.id] = seq
             self._wake.notify()
 
-    def reset(self, done: ResetDone) -> bool:
-        """Ask for a prefix-cache reset; False when the engine has stopped (``done`` is not called)."""
+    def ask(self, chore: Chore) -> bool:
+        """Have the engine thread do ``chore`` between two steps; False when the engine has stopped (``done``
+        is not called)."""
         with self._wake:
             if self.closed:
                 return False
-            self._resets.append(done)
+            self._chores.append(chore)
             self._wake.notify()
             return True
 
@@ -65,38 +78,36 @@ class Inbox:
             self.stopping = True
             self._wake.notify()
 
-    def take(self) -> tuple[list[Sequence], list[Sequence], list[ResetDone]]:
-        """(Engine thread.) Everything handed over since the last call: new, cancelled, resets."""
+    def take(self) -> tuple[list[Sequence], list[Sequence], list[Chore]]:
+        """(Engine thread.) Everything handed over since the last call: new, cancelled, chores."""
         with self._wake:
             incoming, self._incoming = self._incoming, []
             cancelled, self._cancelled = self._cancelled, {}
-            resets, self._resets = self._resets, []
-        return incoming, list(cancelled.values()), resets
+            chores, self._chores = self._chores, []
+        return incoming, list(cancelled.values()), chores
 
     def close(self) -> list[Sequence]:
-        """(Engine thread, at its end.) Take no more; the sequences still handed over (the resets still
-        asked for are told that nothing was dropped)."""
+        """(At the engine's end.) Take no more; the sequences still handed over (the chores still asked for
+        are told they were refused, without running)."""
         with self._wake:
             self.closed = True
             incoming, self._incoming = self._incoming, []
-            resets, self._resets = self._resets, []
-        self.answer(resets, lambda: 0)
+            chores, self._chores = self._chores, []
+        for chore in chores:
+            tell(chore, chore.refused)
         return incoming
 
     @staticmethod
-    def answer(resets: list[ResetDone], drop: Callable[[], int]) -> None:
-        """(Engine thread.) Drop the cached prefixes once per reset in ``resets`` and tell it how many;
-        0 when dropping raised, since the reset's caller waits for an answer."""
-        for done in resets:
+    def answer(chores: list[Chore]) -> None:
+        """(Engine thread.) Do each chore and tell its caller the outcome; its ``refused`` when it raised,
+        since the caller waits for an answer."""
+        for chore in chores:
             try:
-                dropped = drop()
-            except Exception:  # noqa: BLE001 - logged; the reset is still answered
-                log.exception("resetting the prefix cache failed")
-                dropped = 0
-            try:
-                done(dropped)
-            except Exception:  # noqa: BLE001 - one caller's failure leaves the others answered
-                log.exception("answering a prefix-cache reset failed")
+                outcome = chore.run()
+            except Exception:  # noqa: BLE001 - logged; the chore is still answered
+                log.exception("an engine chore failed")
+                outcome = chore.refused
+            tell(chore, outcome)
 
     def waiting(self) -> list[Sequence]:
         """The sequences handed over and not yet taken."""
@@ -112,11 +123,18 @@ class Inbox:
         ``idle``: the last step found nothing to run (every running sequence waits for its reader,
         and none waiting fits). None of these change meanwhile: only the engine thread changes them."""
         with self._wake:
-            news = self._incoming or self._cancelled or self._resets
+            news = self._incoming or self._cancelled or self._chores
             if not news and idle:
                 # Sleep until a reader reads, a request arrives or one leaves; wake now and then all
                 # the same, for what changes with time alone (a stream's idle timeout, a queue's aging).
                 self._wake.wait(IDLE_WAIT_SECONDS if holding else QUEUED_WAIT_SECONDS)
-            while not self.stopping and not (self._incoming or self._cancelled or self._resets or holding or queued):
+            while not self.stopping and not (self._incoming or self._cancelled or self._chores or holding or queued):
                 self._wake.wait()
             return not self.stopping
+
+
+def tell(chore: Chore, outcome: Any) -> None:
+    try:
+        chore.done(outcome)
+    except Exception:  # noqa: BLE001 - one caller's failure leaves the others answered
+        log.exception("answering an engine chore failed")

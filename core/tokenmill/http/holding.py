@@ -12,6 +12,7 @@ others, and every request once the model has failed to load, reach their route a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,6 +27,10 @@ HELD_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completi
                         "/v1/responses", "/v1/messages", "/invocations", "/v1/embeddings", "/embed", "/rerank",
                         "/v1/rerank", "/score", "/classify"})
 """The routes that run the model (a request to any other is answered as it is, ready or not)."""
+
+STREAM_FIELD_PATHS = frozenset({"/", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                "/invocations"})
+"""Held routes whose body's ``stream`` field asks for a stream (``/generate_stream`` always streams)."""
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -47,16 +52,40 @@ class LoadingHold:
             return
         self.held += 1
         try:
-            body = await read_body(receive)
-            stream = scope["path"] == "/generate_stream" or wants_stream(body)
-            left = asyncio.ensure_future(receive())  # an http.disconnect while it waits
-            if stream:
-                await start_stream(send)
-            if not await self._ready_or_left(left, send if stream else None):
+            read = await self._read(receive)
+            if read.ended or not read.whole:  # left, or a body too large or too slow: its route says so at once
+                if not read.ended:
+                    await self.app(scope, replay(read.messages, receive), send)
                 return
+            if self.state.serving is not None or self.state.load_error is not None:  # it loaded meanwhile
+                await self.app(scope, replay(read.messages, receive), send)
+                return
+            path = scope["path"]
+            stream = path == "/generate_stream" or (path in STREAM_FIELD_PATHS and wants_stream(read.body))
+            left = asyncio.ensure_future(receive())  # an http.disconnect while it waits
+            try:
+                if stream:
+                    await start_stream(send)
+                if not await self._ready_or_left(left, send if stream else None):
+                    return
+            except BaseException:
+                left.cancel()
+                raise
         finally:
             self.held -= 1
-        await self.app(scope, replay(body, left, receive), streamed_answer(send) if stream else send)
+        await self.app(scope, replay([*read.messages, left], receive), streamed_answer(send) if stream else send)
+
+    async def _read(self, receive: Receive) -> ReadBody:
+        """The body as far as ``--payload-limit`` and ``--body-read-timeout`` allow."""
+        config, read = self.state.config, ReadBody()
+
+        async def fill() -> None:
+            while not read.whole and not read.ended and len(read.body) <= config.payload_limit:
+                read.take(await receive())
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fill(), config.body_read_timeout)
+        return read
 
     def _holds(self, scope: dict[str, Any]) -> bool:
         state = self.state
@@ -86,16 +115,24 @@ class LoadingHold:
         return True
 
 
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
+class ReadBody:
+    """What a held request's channel gave while its body was read."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.body = b""
+        self.whole = False
+        """The last part of the body came."""
+        self.ended = False
+        """The client left before it did."""
+
+    def take(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
         if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
+            self.ended = True
+            return
+        self.body += message.get("body", b"")
+        self.whole = not message.get("more_body")
 
 
 def wants_stream(body: bytes) -> bool:
@@ -107,10 +144,10 @@ def wants_stream(body: bytes) -> bool:
     return isinstance(parsed, dict) and parsed.get("stream") is True
 
 
-def replay(body: bytes, left: asyncio.Future[dict[str, Any]], receive: Receive) -> Receive:
-    """The request's channel for its route: the body read while it was held, the message it waited for
-    meanwhile, then the channel itself."""
-    pending: list[Any] = [{"type": "http.request", "body": body, "more_body": False}, left]
+def replay(messages: list[Any], receive: Receive) -> Receive:
+    """The request's channel for its route: the ``messages`` taken off it while it was held (a future: the
+    message it waited for meanwhile), then the channel itself."""
+    pending = list(messages)
 
     async def replayed() -> dict[str, Any]:
         if pending:

@@ -102,7 +102,6 @@ class ApiKeyAuth:
         scope = request_scope(req)
         scope.tenant, scope.may_set_priority = matched
 
-
     def match(self, authorization: str | None, anthropic_key: str | None) -> tuple[str, bool] | None:
         """The tenant and whether it may set priorities, for the key the headers present; None for no key's."""
         header = authorization or (f"Bearer {anthropic_key}" if anthropic_key else "")

@@ -1,9 +1,10 @@
 """Sleeping while idle: ``--sleep-after-idle SECONDS`` and vLLM's ``POST /sleep``, ``POST /wake_up`` and
 ``GET /is_sleeping``.
 
-A sleeping engine has dropped its prefix cache and given its KV memory back to the operating system
-(:meth:`tokenmill.engine.Engine.sleep`); it still serves: ``/health`` stays 200, and the next request
-wakes it (its KV memory comes back as that request writes it). The weights stay loaded.
+A sleeping engine has dropped its prefix cache and, on the paged backend on CPU, given its KV pool's memory
+back to the operating system (:meth:`tokenmill.engine.Engine.sleep`); it still serves: ``/health`` stays
+200, and the next request wakes it (its KV memory comes back as that request writes it). The weights stay
+loaded, and a GPU's KV memory stays allocated.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ async def put_to_sleep(state: ServerState) -> bool:
 
 
 class SleepRoute:
-    """``POST /sleep`` (vLLM's route; its ``level`` is accepted, and every level frees the same: the KV
-    memory and the prefix cache): 200 ``{"is_sleeping": true}``, or 409 while requests are live."""
+    """``POST /sleep`` (vLLM's route; its ``level`` is accepted, and every level frees the same: the prefix
+    cache and, on the paged backend on CPU, the KV memory): 200 ``{"is_sleeping": true}``, or 409 while
+    requests are live."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -51,7 +53,9 @@ class WakeUpRoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        self.state.ready_engine().asleep = False
+        engine = self.state.ready_engine()
+        self.state.last_request = time.monotonic()  # --sleep-after-idle counts from now
+        engine.wake_up()
         resp.media = {"is_sleeping": False}
 
 

@@ -3,6 +3,7 @@ positions the KV pool gets in the memory left after loading."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -131,9 +132,10 @@ def _c_library() -> Any:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):
             _libc = False
+        with contextlib.suppress(AttributeError):  # release_pages checks it is there
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return _libc
 
 

@@ -118,7 +118,8 @@ class PagedPool(CachingBlockPool):
         """Give every block's memory back to the operating system, the cached blocks' names with it, while
         no sequence holds a block (the server sleeps); blocks take memory again as they are written. How
         many bytes went back."""
-        assert not self.tables, "sequences still hold blocks"
+        if self.tables:
+            raise RuntimeError(f"{len(self.tables)} sequences still hold blocks: their memory cannot go back")
         self.drop_cached()
         return sum(release_pages(tensor) for tensor in self.keys + self.values)
 

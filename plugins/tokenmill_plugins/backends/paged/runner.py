@@ -173,10 +173,10 @@ class PagedRunner(BackendRunner):
             return positions
         axes = torch.cat([seq.rotary_positions.at(start, length) if seq.rotary_positions is not None
                           else torch.arange(start, start + length).expand(3, -1)
-                          for seq, start, length in zip(seqs, starts, lengths)], dim=1).to(self.device)
+                          for seq, start, length in zip(seqs, starts, lengths)], dim=1)
         if torch.equal(axes[0], axes[1]) and torch.equal(axes[0], axes[2]):
-            return axes[:1]  # one row: the compiled forward takes it
-        return axes.unsqueeze(1)
+            return axes[:1].to(self.device)  # one row: the compiled forward takes it
+        return axes.unsqueeze(1).to(self.device)
 
     def _with_images(self, input_ids: torch.Tensor, prefill: list[Any], starts: list[int], chunks: list[int],
                      query_starts: list[int]) -> torch.Tensor | None:
