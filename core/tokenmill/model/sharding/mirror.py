@@ -32,6 +32,8 @@ class SequenceView:
     """A memo a prefix-caching shard runner of its own fills from ``token_ids`` (``tokenmill.engine.prefix``)."""
     images: None = None
     """Never any: vision-language models run on one shard."""
+    rotary_positions: None = None
+    """Never any, for the same reason (a vision-language model's multimodal rotary positions)."""
 
     @property
     def pending_len(self) -> int:
