@@ -53,7 +53,8 @@ class LoadingHold:
         self.held += 1
         try:
             read = await self._read(receive)
-            if read.ended or not read.whole:  # left, or a body too large or too slow: its route says so at once
+            if read.ended or not read.whole or len(read.body) > self.state.config.payload_limit:
+                # left, or a body too large or too slow: not held, its route answers at once
                 if not read.ended:
                     await self.app(scope, replay(read.messages, receive), send)
                 return
