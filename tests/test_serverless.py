@@ -216,8 +216,11 @@ def test_sleep_and_wake_up_on_demand(tiny_model_dir: Path, tmp_path: Path) -> No
             woke = client.post("/wake_up", headers=headers).json()
             client.post("/sleep", headers=headers)
             after = client.post("/generate", json=PROMPT, headers=headers).json()["generated_text"]
+            cross_site = [client.post(path, headers={**headers, "Sec-Fetch-Site": "cross-site"}).status_code
+                          for path in ("/sleep", "/wake_up")]  # another site's page changes nothing
     finally:
         server.stop()
     assert unauthorized == 401
     assert slept == {"is_sleeping": True} and sleeping is True and woke == {"is_sleeping": False}
     assert after == before  # a request wakes it, and the answer is the same
+    assert cross_site == [403, 403]

@@ -58,7 +58,7 @@ class LoadingHold:
                 if not read.ended:
                     await self.app(scope, replay(read.messages, receive), send)
                 return
-            if self.state.serving is not None or self.state.load_error is not None:  # it loaded meanwhile
+            if loaded(self.state):  # meanwhile
                 await self.app(scope, replay(read.messages, receive), send)
                 return
             path = scope["path"]
@@ -92,7 +92,7 @@ class LoadingHold:
         state = self.state
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in HELD_PATHS:
             return False
-        if state.serving is not None or state.load_error is not None or state.draining:
+        if loaded(state) or state.draining:
             return False
         if self.held >= state.config.hold_while_loading:
             return False
@@ -106,7 +106,7 @@ class LoadingHold:
         stream gets a heartbeat meanwhile."""
         state = self.state
         beat = asyncio.get_running_loop().time() + HEARTBEAT_SECONDS
-        while state.serving is None and state.load_error is None:
+        while not loaded(state):
             if left.done() and left.result()["type"] == "http.disconnect":
                 return False
             await asyncio.sleep(0.05)
@@ -114,6 +114,11 @@ class LoadingHold:
                 beat += HEARTBEAT_SECONDS
                 await stream({"type": "http.response.body", "body": b": loading the model\n\n", "more_body": True})
         return True
+
+
+def loaded(state: ServerState) -> bool:
+    """The model's load is over: it serves, or it failed."""
+    return state.serving is not None or state.load_error is not None
 
 
 class ReadBody:

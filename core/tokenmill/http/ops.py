@@ -6,7 +6,8 @@ import asyncio
 import os
 import re
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import falcon
 import falcon.asgi
@@ -20,6 +21,8 @@ from tokenmill.model.adapters import AdapterCache
 from tokenmill.model.hub import is_repo_id
 from tokenmill.model.lora import AdapterBusy, AdapterError
 from tokenmill.observability.profiling import MAX_SECONDS, ProfileError, record_flame_graph
+
+T = TypeVar("T")
 
 
 class MetricsRoute:
@@ -99,6 +102,14 @@ def refuse_cross_site(req: falcon.asgi.Request, cors_origins: tuple[str, ...]) -
         raise ApiError(403, f"{req.method} {req.path} is refused: {why}", "forbidden")
 
 
+async def engine_answer(ask: Callable[[Callable[[T], None]], None]) -> T:
+    """What the engine thread tells the callback ``ask`` hands it (a chore's outcome), awaited on the event loop."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[T] = loop.create_future()
+    ask(lambda outcome: loop.call_soon_threadsafe(answer.set_result, outcome))
+    return await answer
+
+
 def hub_only(name: str) -> str:
     """``name`` as a hub id to download; a body without ``path`` never reaches a local directory (only
     ``path`` does, inside ``--lora-adapter-dir``)."""
@@ -133,10 +144,8 @@ class ResetPrefixCacheRoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         refuse_cross_site(req, self.state.config.cors_origins())
         engine = self.state.ready_engine()
-        loop = asyncio.get_running_loop()
-        dropped: asyncio.Future[int] = loop.create_future()
-        engine.reset_prefix_cache(lambda count: loop.call_soon_threadsafe(dropped.set_result, count))
-        resp.media = {"prefix_caching": self.state.prefix_caching_off is None, "dropped_blocks": await dropped}
+        dropped = await engine_answer(engine.reset_prefix_cache)
+        resp.media = {"prefix_caching": self.state.prefix_caching_off is None, "dropped_blocks": dropped}
 
 
 class HealthRoute:

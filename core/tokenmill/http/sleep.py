@@ -9,7 +9,6 @@ loaded, and a GPU's KV memory stays allocated.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -18,18 +17,10 @@ import falcon.asgi
 
 from tokenmill.engine import Engine
 from tokenmill.http.body import ApiError
+from tokenmill.http.ops import engine_answer, refuse_cross_site
 from tokenmill.http.state import ServerState
 
 log = logging.getLogger(__name__)
-
-
-async def put_to_sleep(state: ServerState) -> bool:
-    """Ask the engine to sleep now; whether it does (not while requests are live)."""
-    engine = state.ready_engine()
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future[bool] = loop.create_future()
-    engine.sleep(lambda asleep: loop.call_soon_threadsafe(answer.set_result, asleep))
-    return await answer
 
 
 class SleepRoute:
@@ -41,7 +32,8 @@ class SleepRoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if not await put_to_sleep(self.state):
+        refuse_cross_site(req, self.state.config.cors_origins())
+        if not await engine_answer(self.state.ready_engine().sleep):
             raise ApiError(409, "requests are running: the server sleeps once they end", "busy")
         resp.media = {"is_sleeping": True}
 
@@ -53,6 +45,7 @@ class WakeUpRoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        refuse_cross_site(req, self.state.config.cors_origins())
         engine = self.state.ready_engine()
         self.state.last_request = time.monotonic()  # --sleep-after-idle counts from now
         engine.wake_up()
