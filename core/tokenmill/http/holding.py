@@ -17,6 +17,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tokenmill.config import Config
 from tokenmill.http.middleware import ApiKeyAuth
 from tokenmill.http.state import ServerState
 
@@ -52,7 +53,7 @@ class LoadingHold:
             return
         self.held += 1
         try:
-            read = await self._read(receive)
+            read = await read_body(receive, self.state.config)
             if read.ended or not read.whole or len(read.body) > self.state.config.payload_limit:
                 # left, or a body too large or too slow: not held, its route answers at once
                 if not read.ended:
@@ -75,18 +76,6 @@ class LoadingHold:
         finally:
             self.held -= 1
         await self.app(scope, replay([*read.messages, left], receive), streamed_answer(send) if stream else send)
-
-    async def _read(self, receive: Receive) -> ReadBody:
-        """The body as far as ``--payload-limit`` and ``--body-read-timeout`` allow."""
-        config, read = self.state.config, ReadBody()
-
-        async def fill() -> None:
-            while not read.whole and not read.ended and len(read.body) <= config.payload_limit:
-                read.take(await receive())
-
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(fill(), config.body_read_timeout)
-        return read
 
     def _holds(self, scope: dict[str, Any]) -> bool:
         state = self.state
@@ -119,6 +108,19 @@ class LoadingHold:
 def loaded(state: ServerState) -> bool:
     """The model's load is over: it serves, or it failed."""
     return state.serving is not None or state.load_error is not None
+
+
+async def read_body(receive: Receive, config: Config) -> ReadBody:
+    """A request's body as far as ``--payload-limit`` and ``--body-read-timeout`` allow."""
+    read = ReadBody()
+
+    async def fill() -> None:
+        while not read.whole and not read.ended and len(read.body) <= config.payload_limit:
+            read.take(await receive())
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(fill(), config.body_read_timeout)
+    return read
 
 
 class ReadBody:

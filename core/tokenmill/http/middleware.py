@@ -80,6 +80,9 @@ class RequestContext:
             resp.set_header("Connection", "close")
 
 
+UNAUTHORIZED = "Unauthorized: send the API key as `Authorization: Bearer <key>`"
+
+
 class ApiKeyAuth:
     """``--api-key`` / ``--api-key-file``: every route but the open ones wants ``Authorization: Bearer
     <key>`` (or Anthropic's ``x-api-key: <key>``) with one of the keys, compared in constant time
@@ -98,7 +101,7 @@ class ApiKeyAuth:
         matched = self.match(req.get_header("Authorization"), req.get_header("x-api-key"))
         if matched is None:
             resp.set_header("WWW-Authenticate", "Bearer")
-            raise ApiError(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", "authentication")
+            raise ApiError(401, UNAUTHORIZED, "authentication")
         scope = request_scope(req)
         scope.tenant, scope.may_set_priority = matched
 

@@ -114,9 +114,18 @@ def uvicorn_config(app: Any, config: Config) -> uvicorn.Config:
                           **connection_settings(config))
 
 
+def server_app(config: Config) -> Any:
+    """The ASGI app that serves ``config``: one model's, or the router over several."""
+    if config.serves_several():
+        from tokenmill.http.router.router import ModelRouter
+
+        return ModelRouter(config)
+    return create_app(config)
+
+
 def serve(config: Config) -> int:
     if config.server == "uvicorn":
-        app = create_app(config)
+        app = server_app(config)
         DrainingServer(uvicorn_config(app, config), app.state).run()  # type: ignore[attr-defined]
         return 0
     return _serve_gunicorn(config)
@@ -184,7 +193,7 @@ def config_from_environment() -> Config:
 def app_from_environment() -> Any:
     """gunicorn's app factory (``tokenmill.http.serve:app_from_environment()``), called in the worker
     (logging is set up by gunicorn's ``logconfig_dict``)."""
-    return create_app(config_from_environment())
+    return server_app(config_from_environment())
 
 
 def _serve_gunicorn(config: Config) -> int:
@@ -200,7 +209,7 @@ def _serve_gunicorn(config: Config) -> int:
 
         def load(self) -> Any:
             # Built in the worker after the fork; the engine thread starts at lifespan start-up.
-            return create_app(config)
+            return server_app(config)
 
     TokenmillApplication().run()
     return 0

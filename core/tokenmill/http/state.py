@@ -112,7 +112,10 @@ class ServerState:
         """The other ranks, when this process started them (``--num-shard`` without torchrun)."""
         self.shard_failure: str | None = None
         self.load_error: str | None = None
-        """Why the model failed to load (the process exits a moment later)."""
+        """Why the model failed to load (the process exits a moment later, unless ``exit_when_load_fails`` is
+        off)."""
+        self.exit_when_load_fails = True
+        """Off for one model of several (``--models-dir``): its requests get the error, the others go on."""
         self.shards_stopping = False
         self.chosen: Chosen | None = None
         self.adapters: AdapterCache | None = None
@@ -246,6 +249,8 @@ class ServerState:
             message = str(error) if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
             log.error("startup failed: %s", message)
             self.load_error = message
+            if not self.exit_when_load_fails:
+                return
             if self.config.hold_while_loading:
                 time.sleep(BROKEN_EXIT_SECONDS)  # the requests held for the load are answered with its error
             logging.shutdown()

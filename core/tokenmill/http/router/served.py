@@ -1,0 +1,93 @@
+"""One model of a several-model server: its own app (the routes, a :class:`ServerState`, its engine and KV
+budget), created when the model is first asked for and closed when it is unloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from typing import Any
+
+import pluggy
+
+from tokenmill.config import Config
+from tokenmill.http.app import create_app
+from tokenmill.http.holding import loaded
+from tokenmill.http.state import ServerState
+from tokenmill.model import kv_memory
+
+log = logging.getLogger(__name__)
+
+
+class AppLifespan:
+    """Drives an ASGI app's lifespan (start-up, shut-down) as a server would."""
+
+    def __init__(self, app: Any) -> None:
+        self.to_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.from_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+        self.task = asyncio.ensure_future(app(scope, self.to_app.get, self.from_app.put))
+
+    async def run(self, event: str) -> None:
+        """Send ``startup`` or ``shutdown`` and wait for the app's answer (raises RuntimeError when it failed)."""
+        await self.to_app.put({"type": f"lifespan.{event}"})
+        answer = await self.from_app.get()
+        if answer["type"] != f"lifespan.{event}.complete":
+            raise RuntimeError(answer.get("message") or f"the {event} failed")
+        if event == "shutdown":
+            await self.task
+
+
+class ServedModel:
+    """A model the router serves by ``name``; ``app`` is None while it is not loaded."""
+
+    def __init__(self, name: str, config: Config, pm: pluggy.PluginManager) -> None:
+        self.name = name
+        self.config = config
+        self.pm = pm
+        self.app: Any = None
+        self.lifespan: AppLifespan | None = None
+        self.open = 0
+        """Requests routed to it and not yet answered."""
+        self.last_used = 0.0
+
+    @property
+    def state(self) -> ServerState | None:
+        return self.app.state if self.app is not None else None
+
+    @property
+    def status(self) -> str:
+        """unloaded, loading, loaded or failed (its last load)."""
+        state = self.state
+        if state is None:
+            return "unloaded"
+        if state.load_error is not None:
+            return "failed"
+        return "loaded" if loaded(state) else "loading"
+
+    @property
+    def evictable(self) -> bool:
+        return self.open == 0 and self.status in ("loaded", "failed")
+
+    async def open_app(self) -> None:
+        """Create its app and start its lifespan: the model loads in a thread of its own."""
+        log.info("loading model %s (%s)", self.name, self.config.model_id)
+        app = create_app(self.config, self.pm)
+        app.state.exit_when_load_fails = False  # the other models go on serving; its requests get the error
+        self.app, self.lifespan = app, AppLifespan(app)
+        await self.lifespan.run("startup")
+
+    async def close(self) -> None:
+        """Stop its engine and drop the app; the memory goes back to the system."""
+        lifespan, self.app, self.lifespan = self.lifespan, None, None
+        if lifespan is not None:
+            log.info("unloading model %s", self.name)
+            await lifespan.run("shutdown")
+        gc.unfreeze()  # the heap frozen at its start-up holds its objects too
+        gc.collect()
+        kv_memory.trim_heap()
+        kv_memory.freeze_heap()
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
