@@ -55,8 +55,9 @@ _HELP = {
                            "gets SSE comments as heartbeats) instead of a 503; more than this many at once get the 503 "
                            "(default: 0, every one). /health says 503 until the model is ready either way"),
     "sleep_after_idle": ("seconds without a request after which the server sleeps: it drops its prefix cache and "
-                         "(paged backend, CPU) gives its KV memory back to the system, and wakes at the next request "
-                         "(/health stays 200; default: 0, never). POST /sleep and /wake_up do the same on demand"),
+                         "(paged backend, CPU) gives its KV memory and weights back to the system, and wakes at the "
+                         "next request (/health stays 200; default: 0, never). POST /sleep and /wake_up do the same on "
+                         "demand"),
     "models_dir": ("serve every checkpoint under this directory (a subdirectory with a config.json, or a .gguf "
                    "file), named by its file name: OpenAI requests pick one with `model`, TGI routes with the "
                    "x-model header (default: the first); a model loads when first asked for (default: none)"),

@@ -119,7 +119,7 @@ class Engine(BackendSurface):
             return False
         self.drop_cached_prefixes()
         release = getattr(self.scheduler.runner, "release_memory", None)
-        log.info("asleep: %d bytes of KV memory given back", release() if release is not None else 0)
+        log.info("asleep: %d bytes of memory given back", release() if release is not None else 0)
         trim_heap()
         self.asleep = True
         return True

@@ -2,9 +2,10 @@
 ``GET /is_sleeping``.
 
 A sleeping engine has dropped its prefix cache and, on the paged backend on CPU, given its KV pool's memory
-back to the operating system (:meth:`tokenmill.engine.Engine.sleep`); it still serves: ``/health`` stays
-200, and the next request wakes it (its KV memory comes back as that request writes it). The weights stay
-loaded, and a GPU's KV memory stays allocated.
+and its weights' back to the operating system (:meth:`tokenmill.engine.Engine.sleep`,
+:mod:`tokenmill.model.offload`); it still serves: ``/health`` stays 200, and the next request wakes it (its
+KV memory comes back as that request writes it, the weights as its forward reads them). A GPU's memory stays
+allocated.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ from tokenmill.interfaces import (
     padded_block_tables,
 )
 from tokenmill.model.compile import inductor_unavailable_reason
+from tokenmill.model.loading import cache_dir
 from tokenmill.model.lora import adapter_rows, lora_batch
+from tokenmill.model.offload import WeightFile
 from tokenmill.model.vision import encode_sequences, place_rotary
 from tokenmill_plugins.backends.paged.compiled import CompiledForward
 
@@ -54,6 +56,8 @@ class PagedRunner(BackendRunner):
         self.compiled: CompiledForward | None = None
         """The compiled forward once :meth:`compile_forward` ran (the next step compiles it) or
         :meth:`build_compiled_forward` built it."""
+        self.weights: WeightFile | None = None
+        """Where the weights go while the server sleeps (once it first slept)."""
         self.prefix_caching = False
         """Set by :meth:`enable_prefix_caching`: the engine names full blocks and reuses them across sequences."""
 
@@ -100,9 +104,17 @@ class PagedRunner(BackendRunner):
         self.prefix_caching = True
 
     def release_memory(self) -> int:
-        """Give the KV pool's memory back to the operating system while nothing runs (the server sleeps)."""
+        """Give the KV pool's memory and, on CPU, the weights' back to the operating system while nothing runs
+        (the server sleeps); the weights come back from a file as the forward reads them."""
         release = getattr(self.kv_pool, "release_memory", None)
-        return release() if release is not None else 0
+        released = release() if release is not None else 0
+        if self.device.type == "cpu":
+            try:
+                self.weights = self.weights or WeightFile(cache_dir() / "sleep")
+                released += self.weights.put_away(self.model)
+            except OSError as error:
+                log.warning("the weights stay in memory while asleep: %s", error)
+        return released
 
     @property
     def kv_block_size(self) -> int:
