@@ -7,11 +7,16 @@ asleep (once ``/is_sleeping``), and the TTFT of one request sent to the server a
 Burst: a warm start with ``--hold-while-loading``; the moment the process is spawned, 32 streaming requests
 are sent (each retries its connection until the server listens) and wait through the load; how many succeed,
 and the seconds from spawn to the last answer beside the server's own time to ready.
+
+Models: a start with ``--models-dir`` (the checkpoint twice, as ``a`` and ``b``) and ``--max-loaded-models 1``;
+requests alternate between the two, so each one after the first unloads a model and loads the other; the TTFT
+of each (its load included) and of one to the model just loaded, and the RSS after each switch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -31,6 +36,7 @@ HOLD = 64
 TOUCH_REQUESTS = 32
 TOUCH_CONCURRENCY = 16
 TOKENS = 32
+SWITCHES = 10
 
 
 def ttft(server: peers.RunningServer, prompt: Prompt, model: str) -> float | None:
@@ -126,9 +132,34 @@ def burst(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, r
             "last_answer_s": round(server.last_answer_s, 2), "ready_s": round(server.ready_s, 2)}
 
 
+def models(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, first: Prompt,
+           progress: Progress) -> dict[str, Any]:
+    """Requests alternating between two models, one loaded at a time: each loads its model."""
+    log = starts.LOGS / "coldstart-tokenmill-models.log"
+    progress.say(f"start tokenmill with --models-dir (two models) --max-loaded-models 1, {SWITCHES} switches")
+    server = starts.TimedServer(system, checkpoint, peers_dir, log)
+    switches, rss = [], []
+    with server:
+        for index in range(SWITCHES):
+            switches.append(ttft(server, first, "ab"[index % 2]))
+            rss.append(starts.tree_memory(server)["rss_mib"])
+        loaded = ttft(server, first, "ab"[(SWITCHES - 1) % 2])
+    progress.say(f"  TTFT with a load {switches}; loaded {loaded} s; RSS {rss} MiB")
+    return {"switch_ttft_s": switches, "loaded_ttft_s": loaded, "rss_mib": rss}
+
+
+def models_dir(checkpoint: peers.Checkpoint, cache_dir: Path) -> Path:
+    directory = cache_dir / "models"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("a", "b"):
+        if not (directory / name).exists():
+            (directory / name).symlink_to(checkpoint.hf_dir.resolve())
+    return directory
+
+
 def render_section(run: dict[str, Any]) -> str:
     """The ``coldstart-serverless`` section of RESULTS.md."""
-    sleep, wave = run.get("asleep") or {}, run.get("burst") or {}
+    sleep, wave, several = run.get("asleep") or {}, run.get("burst") or {}, run.get("models") or {}
     out = ["<!-- bench:coldstart-serverless:begin -->", f"## Scenario `coldstart`, serverless part ({run['date']})", "",
            (f"`{run['command']}` — {run['model']}; tokenmill only (gunicorn, defaults but the flag named), each "
            "start a new process on the run's own cache dir, which the first start fills. Asleep: once the forward "
@@ -152,6 +183,11 @@ def render_section(run: dict[str, Any]) -> str:
         out.append(f"- `--hold-while-loading {HOLD}`, {wave['requests']} streaming requests sent at spawn: "
                    f"{wave['ok']} answered, {wave['failed']} failed{failures}; ready {fmt(wave['ready_s'], 2)} s "
                    f"after spawn, the last answer {fmt(wave['last_answer_s'], 2)} s after spawn.")
+    if several.get("switch_ttft_s"):
+        out.append(f"- `--models-dir` (the checkpoint twice) `--max-loaded-models 1`, requests alternating between the "
+                   f"two: TTFT with the unload and load {', '.join(fmt(v, 2) for v in several['switch_ttft_s'])} s; "
+                   f"to the model just loaded {fmt(several['loaded_ttft_s'], 3)} s; RSS after each switch "
+                   f"{', '.join(fmt(v, 0) for v in several['rss_mib'])} MiB.")
     out.append("<!-- bench:coldstart-serverless:end -->")
     return "\n".join(out) + "\n"
 
@@ -161,5 +197,8 @@ def run(cache_dir: Path, checkpoint: peers.Checkpoint, peers_dir: Path, first: P
     """Both measurements, each on a start of its own over ``cache_dir``."""
     sleepy = starts.tokenmill_system(cache_dir, extra=("--sleep-after-idle", str(SLEEP_AFTER_IDLE_S)))
     holding = starts.tokenmill_system(cache_dir, extra=("--hold-while-loading", str(HOLD)))
+    several = dataclasses.replace(starts.tokenmill_system(cache_dir, extra=(
+        "--models-dir", str(models_dir(checkpoint, cache_dir)), "--max-loaded-models", "1")), api="chat")
     return {"asleep": asleep(sleepy, checkpoint, peers_dir, first, requests, progress),
-            "burst": burst(holding, checkpoint, peers_dir, requests, progress)}
+            "burst": burst(holding, checkpoint, peers_dir, requests, progress),
+            "models": models(several, checkpoint, peers_dir, first, progress)}

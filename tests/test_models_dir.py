@@ -148,10 +148,14 @@ def test_without_the_api_key_nothing_loads(models_dir, tmp_path):
     try:
         response = completion(running, "tiny-a")
         assert response.status_code == 401 and response.json()["error_type"] == "authentication"
+        info = httpx.get(f"{running.url}/info", headers={"x-model": "tiny-a"}, timeout=10)
+        assert info.status_code == 401, "an open route loads no model without the key"
         assert states(running)["tiny-a"] == "unloaded"
         keyed = httpx.post(f"{running.url}/v1/completions", headers={"Authorization": "Bearer secret"}, timeout=120,
                            json={"model": "tiny-a", "prompt": PROMPT, "max_tokens": 2})
         assert keyed.status_code == 200, keyed.text
+        info = httpx.get(f"{running.url}/info", headers={"x-model": "tiny-a"}, timeout=10)
+        assert info.status_code == 200 and info.json()["model_id"].endswith("tiny-a"), "open once loaded"
     finally:
         running.stop()
 
@@ -190,6 +194,7 @@ class TestCatalog:
         assert pooling_checkpoint(str(tmp_path / "embedder")) and settings.task == "pooling"
         assert settings.kv_memory_fraction == pytest.approx(config.kv_memory_fraction / 3)
         assert settings.served_model_name == "embedder" and not settings.serves_several()
+        assert not settings.compile_model, "torch.compile's caches would keep an unloaded model's weights"
         assert not pooling_checkpoint("org/hub-model")
 
 

@@ -42,9 +42,14 @@ OPEN_ROUTES = frozenset({"/health", "/info", "/metrics", "/v1/models", "/ping", 
 
 def is_open(req: falcon.asgi.Request) -> bool:
     """A probe's or scraper's request, or a CORS preflight (browsers send those without credentials)."""
-    if req.path in OPEN_ROUTES or (req.path == "/" and req.method in ("GET", "HEAD")):
+    return open_route(req.path, req.method, bool(req.get_header("Access-Control-Request-Method")))
+
+
+def open_route(path: str, method: str, preflight: bool) -> bool:
+    """:func:`is_open` for a path and method; ``preflight``: the request has ``Access-Control-Request-Method``."""
+    if path in OPEN_ROUTES or (path == "/" and method in ("GET", "HEAD")):
         return True
-    return req.method == "OPTIONS" and bool(req.get_header("Access-Control-Request-Method"))
+    return method == "OPTIONS" and preflight
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 

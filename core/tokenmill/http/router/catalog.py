@@ -48,13 +48,15 @@ def _add(found: dict[str, str], name: str, model_id: str) -> None:
 
 def model_config(config: Config, name: str, model_id: str) -> Config:
     """The settings one model is served with: the server's, its own id and name, a K-th of the KV memory, its
-    task from its architecture, and every request that arrives while it loads held for it."""
+    task from its architecture, every request that arrives while it loads held for it, and the eager forward:
+    torch.compile's caches belong to the process and keep an unloaded model's compiled weights (measured: each
+    unload of SmolLM2 kept 280 MiB)."""
     return replace(
         config, model_id=model_id, served_model_name=name, models_dir=None, more_model_ids=(),
         runner=POOLING if pooling_checkpoint(model_id) else config.runner,
         kv_memory_fraction=config.kv_memory_fraction / config.max_loaded_models,
         hold_while_loading=max(config.hold_while_loading, config.max_concurrent_requests),
-        prometheus_port=None, notices=())
+        compile_model=False, compile_before_ready=False, prometheus_port=None, notices=())
 
 
 def pooling_checkpoint(model_id: str) -> bool:

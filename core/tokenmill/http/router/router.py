@@ -11,6 +11,7 @@ unloaded first; when every loaded one is busy the request gets 429. ``/health``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -18,10 +19,10 @@ from typing import Any
 
 import pluggy
 
-from tokenmill.config import Config
+from tokenmill.config import Config, ConfigError
 from tokenmill.http.body import ApiError
 from tokenmill.http.holding import HELD_PATHS, Receive, Send, loaded, read_body, replay
-from tokenmill.http.middleware import UNAUTHORIZED, ApiKeyAuth
+from tokenmill.http.middleware import UNAUTHORIZED, ApiKeyAuth, open_route
 from tokenmill.http.router.catalog import model_config, served_models
 from tokenmill.http.router.routes import RouterMetrics, own_routes
 from tokenmill.http.router.served import ServedModel
@@ -69,9 +70,9 @@ class ModelRouter:
 
     async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        if self.auth is not None and scope["method"] != "OPTIONS" and self.auth.match(
-                headers.get("authorization"), headers.get("x-api-key")) is None:
-            await answer(send, ApiError(401, UNAUTHORIZED, "authentication"))  # loads nothing
+        keyed = self.auth is None or self.auth.match(headers.get("authorization"), headers.get("x-api-key")) is not None
+        if not keyed and not open_route(scope["path"], scope["method"], "access-control-request-method" in headers):
+            await answer(send, ApiError(401, UNAUTHORIZED, "authentication"))
             return
         name = headers.get("x-model")
         if name is None and scope["method"] == "POST":
@@ -82,6 +83,8 @@ class ModelRouter:
             name = body_model(read.body) if read.whole else None
         try:
             served = self._named(name or self.default)
+            if not keyed and served.status not in ("loading", "loaded"):  # only a request with the key loads one
+                raise ApiError(401, UNAUTHORIZED, "authentication")
             held = scope["method"] == "POST" and scope["path"] in HELD_PATHS
             app = await self._take(served, wait=not held)
         except ApiError as error:
@@ -95,7 +98,8 @@ class ModelRouter:
 
     def _named(self, name: str) -> ServedModel:
         if name not in self.models and self.config.models_dir:
-            self._find_models()
+            with contextlib.suppress(ConfigError, OSError):  # the directory emptied or gone: the known models stay
+                self._find_models()
         if name not in self.models:
             raise ApiError(404, f"the model '{name}' is not served here; GET /v1/models lists those that are",
                            "not_found")
@@ -106,6 +110,18 @@ class ModelRouter:
         request counted as open on it. ``wait``: until it has loaded."""
         if self.draining:
             raise ApiError(503, "the server is stopping", "unhealthy")
+        if served.status in ("loading", "loaded"):  # no wait for another model's load or unload
+            served.open += 1
+            served.touch()
+            app = served.app
+        else:
+            app = await self._load(served)
+        if wait:
+            while not loaded(app.state):
+                await asyncio.sleep(0.05)
+        return app
+
+    async def _load(self, served: ServedModel) -> Any:
         async with self.switch:
             if served.status == "failed" and served.open == 0:  # its last load failed: try again
                 await served.close()
@@ -114,11 +130,7 @@ class ModelRouter:
                 await served.open_app()
             served.open += 1
             served.touch()
-            app = served.app
-        if wait:
-            while not loaded(app.state):
-                await asyncio.sleep(0.05)
-        return app
+            return served.app
 
     async def _make_room(self) -> None:
         loaded_models = [served for served in self.models.values() if served.app is not None]

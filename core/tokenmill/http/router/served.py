@@ -13,6 +13,7 @@ import pluggy
 
 from tokenmill.config import Config
 from tokenmill.http.app import create_app
+from tokenmill.http.body import ApiError
 from tokenmill.http.holding import loaded
 from tokenmill.http.state import ServerState
 from tokenmill.model import kv_memory
@@ -31,8 +32,15 @@ class AppLifespan:
 
     async def run(self, event: str) -> None:
         """Send ``startup`` or ``shutdown`` and wait for the app's answer (raises RuntimeError when it failed)."""
+        if self.task.done():  # it ended (a start-up that failed): nothing to shut down
+            return
         await self.to_app.put({"type": f"lifespan.{event}"})
-        answer = await self.from_app.get()
+        answered = asyncio.ensure_future(self.from_app.get())
+        await asyncio.wait({answered, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not answered.done():
+            answered.cancel()
+            raise RuntimeError(f"the app ended during its {event}: {self.task.exception()!r}")
+        answer = answered.result()
         if answer["type"] != f"lifespan.{event}.complete":
             raise RuntimeError(answer.get("message") or f"the {event} failed")
         if event == "shutdown":
@@ -73,17 +81,28 @@ class ServedModel:
     async def open_app(self) -> None:
         """Create its app and start its lifespan: the model loads in a thread of its own."""
         log.info("loading model %s (%s)", self.name, self.config.model_id)
-        app = create_app(self.config, self.pm)
+        try:
+            app = create_app(self.config, self.pm)
+        except Exception as error:  # noqa: BLE001 - a plugin's route hook that fails: this model cannot serve
+            log.exception("model %s: its app could not be built", self.name)
+            raise ApiError(503, f"the model '{self.name}' cannot be served: {type(error).__name__}: {error}",
+                           "unhealthy") from None
         app.state.exit_when_load_fails = False  # the other models go on serving; its requests get the error
         self.app, self.lifespan = app, AppLifespan(app)
-        await self.lifespan.run("startup")
+        try:
+            await self.lifespan.run("startup")
+        except RuntimeError as error:  # its start-up failed before the load began: answered as a failed load
+            app.state.load_error = str(error)
 
     async def close(self) -> None:
         """Stop its engine and drop the app; the memory goes back to the system."""
         lifespan, self.app, self.lifespan = self.lifespan, None, None
         if lifespan is not None:
             log.info("unloading model %s", self.name)
-            await lifespan.run("shutdown")
+            try:
+                await lifespan.run("shutdown")
+            except RuntimeError as error:
+                log.warning("model %s: its shutdown failed (%s); it is dropped anyway", self.name, error)
         gc.unfreeze()  # the heap frozen at its start-up holds its objects too
         gc.collect()
         kv_memory.trim_heap()
