@@ -87,6 +87,8 @@ def value_text(action: argparse.Action) -> str:
     if isinstance(action, argparse._AppendAction):
         if action.dest in flags.JOINED_WHEN_REPEATED:
             return "text; repeatable, the values joined with `,`"
+        if action.dest in flags.KEPT_WHEN_REPEATED:
+            return "text; repeatable; variable: one value"
         return "text; repeatable; variable: a `:`-separated list"
     kinds = {int: "integer", float: "number", flags._parse_bool: "boolean"}
     return kinds.get(action.type, "text")  # type: ignore[arg-type]

@@ -149,6 +149,7 @@ def models(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, 
 
 
 def models_dir(checkpoint: peers.Checkpoint, cache_dir: Path) -> Path:
+    """A models directory holding the checkpoint twice (as ``a`` and ``b``, links to it)."""
     directory = cache_dir / "models"
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("a", "b"):

@@ -85,6 +85,8 @@ def test_every_checkpoint_is_listed_unloaded_until_asked_for(server):
 
 
 def test_each_model_answers_by_name_with_its_own_greedy_tokens(server, models_dir):
+    references = [reference_tokens(models_dir / name) for name in ("tiny-a", "tiny-b", "tiny-c")]
+    assert len({tuple(tokens) for tokens in references}) == 3, "the models differ, so a wrong route shows"
     assert generated_tokens(server, "tiny-a") == reference_tokens(models_dir / "tiny-a")
     assert generated_tokens(server, "tiny-b") == reference_tokens(models_dir / "tiny-b")
     by_body = completion(server, "tiny-b")
@@ -124,6 +126,8 @@ def test_a_model_that_fails_to_load_answers_with_the_error_and_the_others_go_on(
     failed = completion(server, "zz-broken")
     assert failed.status_code == 503 and "failed to load" in failed.json()["error"]
     assert states(server)["zz-broken"] == "failed"
+    again = completion(server, "zz-broken")
+    assert again.status_code == 503 and again.json()["error"] == failed.json()["error"], "not reloaded at once"
     assert server.process.poll() is None, "the process serves on"
     assert generated_tokens(server, "tiny-a") == reference_tokens(models_dir / "tiny-a")
 
@@ -195,6 +199,7 @@ class TestCatalog:
         assert settings.kv_memory_fraction == pytest.approx(config.kv_memory_fraction / 3)
         assert settings.served_model_name == "embedder" and not settings.serves_several()
         assert not settings.compile_model, "torch.compile's caches would keep an unloaded model's weights"
+        assert settings.max_client_batch_size == 32, "the pooling default, not generation's"
         assert not pooling_checkpoint("org/hub-model")
 
 

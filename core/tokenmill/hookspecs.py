@@ -341,7 +341,8 @@ def tokenmill_logits_processors(
 def tokenmill_add_routes(app: falcon.asgi.App, server: Any) -> None:
     """Add HTTP routes.
 
-    Called once when the Falcon app is built, before it serves. Receives the Falcon ASGI app and the
+    Called once when the Falcon app is built, before it serves (a server of several models, `--models-dir`,
+    builds one app per model each time it loads one, so once per load). Receives the Falcon ASGI app and the
     server state, a `tokenmill.http.app.ServerState`: `server.config` is the configuration,
     `server.engine` the running engine (None until the model is loaded) and `server.loaded` the model
     and tokenizer once loaded. Returns nothing; add routes with `app.add_route`.

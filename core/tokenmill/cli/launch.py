@@ -59,6 +59,9 @@ def preflight(config: Config) -> None:
     if config.serves_several():
         from tokenmill.http.router.catalog import served_models
 
+        if torch.cuda.is_available():
+            raise ConfigError("several models in one process (--models-dir, --model-id repeated) run on CPU only: "
+                              "each model's KV pool would size itself to the whole GPU")
         for model_id in served_models(config).values():
             check_source(model_id, config.revision, config.huggingface_hub_cache)
         return

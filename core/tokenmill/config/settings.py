@@ -128,10 +128,10 @@ class Config:
     cuda_memory_fraction: float = 1.0
     server: str = "gunicorn"
     notices: tuple[str, ...] = field(default=(), compare=False, metadata={"flag": False})
-    more_model_ids: tuple[str, ...] = field(default=(), metadata={"flag": False})
-    """The models named by ``--model-id`` repeated, after the first (which is ``model_id``)."""
     """What the operator should read at start: TGI flags accepted without effect, and what tokenmill does
     instead (set by :func:`tokenmill.config.parse_config`, logged once logging is set up)."""
+    more_model_ids: tuple[str, ...] = field(default=(), metadata={"flag": False})
+    """The models named by ``--model-id`` repeated, after the first (which is ``model_id``)."""
 
     def __post_init__(self) -> None:
         task = TASK_ALIASES.get(self.task, self.task)
@@ -254,6 +254,7 @@ class Config:
         return self.models_dir is not None or bool(self.more_model_ids)
 
     def check_several_models(self) -> None:
+        """``--max-loaded-models`` and what several models cannot be served with."""
         if self.max_loaded_models < 1:
             raise ConfigError(f"--max-loaded-models must be >= 1 (got {self.max_loaded_models})")
         if not self.serves_several():

@@ -71,6 +71,8 @@ def sleep_when_idle(state: ServerState, seconds: float) -> None:
         while True:
             time.sleep(min(1.0, seconds / 4))
             engine = state.engine
+            if engine is None and state.load_error is not None:
+                return
             if engine is None:
                 continue  # loading
             if not engine.healthy:

@@ -51,9 +51,11 @@ def model_config(config: Config, name: str, model_id: str) -> Config:
     task from its architecture, every request that arrives while it loads held for it, and the eager forward:
     torch.compile's caches belong to the process and keep an unloaded model's compiled weights (measured: each
     unload of SmolLM2 kept 280 MiB)."""
+    pooling = config.task == "generate" and pooling_checkpoint(model_id)
     return replace(
         config, model_id=model_id, served_model_name=name, models_dir=None, more_model_ids=(),
-        runner=POOLING if pooling_checkpoint(model_id) else config.runner,
+        runner=POOLING if pooling else config.runner,
+        max_client_batch_size=None if pooling else config.max_client_batch_size,  # the pooling default then
         kv_memory_fraction=config.kv_memory_fraction / config.max_loaded_models,
         hold_while_loading=max(config.hold_while_loading, config.max_concurrent_requests),
         compile_model=False, compile_before_ready=False, prometheus_port=None, notices=())

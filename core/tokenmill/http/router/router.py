@@ -63,7 +63,8 @@ class ModelRouter:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-        elif scope["type"] == "http" and scope["path"] in OWN_PATHS:
+        elif scope["type"] == "http" and (scope["path"] in OWN_PATHS or (
+                scope["path"] == "/" and scope["method"] in ("GET", "HEAD"))):  # TGI's health check
             await self.own(scope, receive, send)
         elif scope["type"] == "http":
             await self._forward(scope, receive, send)
@@ -85,12 +86,14 @@ class ModelRouter:
             served = self._named(name or self.default)
             if not keyed and served.status not in ("loading", "loaded"):  # only a request with the key loads one
                 raise ApiError(401, UNAUTHORIZED, "authentication")
-            held = scope["method"] == "POST" and scope["path"] in HELD_PATHS
-            app = await self._take(served, wait=not held)
+            app = await self._take(served)
         except ApiError as error:
             await answer(send, error)
             return
         try:
+            if not (scope["method"] == "POST" and scope["path"] in HELD_PATHS):  # those its app holds, with heartbeats
+                while not loaded(app.state):
+                    await asyncio.sleep(0.05)
             await app(scope, receive, send)
         finally:
             served.open -= 1
@@ -105,26 +108,21 @@ class ModelRouter:
                            "not_found")
         return self.models[name]
 
-    async def _take(self, served: ServedModel, wait: bool) -> Any:
+    async def _take(self, served: ServedModel) -> Any:
         """The model's app, loading it (after unloading another to make room) when it is not loaded, with the
-        request counted as open on it. ``wait``: until it has loaded."""
+        request counted as open on it."""
         if self.draining:
             raise ApiError(503, "the server is stopping", "unhealthy")
         if served.status in ("loading", "loaded"):  # no wait for another model's load or unload
             served.open += 1
             served.touch()
-            app = served.app
-        else:
-            app = await self._load(served)
-        if wait:
-            while not loaded(app.state):
-                await asyncio.sleep(0.05)
-        return app
+            return served.app
+        return await self._load(served)
 
     async def _load(self, served: ServedModel) -> Any:
         async with self.switch:
-            if served.status == "failed" and served.open == 0:  # its last load failed: try again
-                await served.close()
+            if served.status == "failed" and served.open == 0 and served.may_retry():
+                await served.close()  # its last load failed a while ago: try again
             if served.app is None:
                 await self._make_room()
                 await served.open_app()
@@ -179,6 +177,8 @@ def body_model(body: bytes) -> str | None:
 async def answer(send: Callable[[dict[str, Any]], Awaitable[None]], error: ApiError) -> None:
     """An error answered here, with TGI's body."""
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -20,6 +20,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RouterHealth:
+    """``GET /health`` (``/ping``, ``GET /``): 200 while the server can serve, 503 once it drains."""
+
     def __init__(self, router: ModelRouter) -> None:
         self.router = router
 
@@ -53,8 +55,8 @@ class RouterMetrics:
         self.router = router
 
     def exposition(self) -> bytes:
-        parts = {name: served.state.metrics.exposition()
-                 for name, served in list(self.router.models.items()) if served.state is not None}
+        states = {name: served.state for name, served in list(self.router.models.items())}
+        parts = {name: state.metrics.exposition() for name, state in states.items() if state is not None}
         return merge_expositions("model", parts)
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -67,17 +69,23 @@ async def error_body(req: falcon.asgi.Request, resp: falcon.asgi.Response, error
     if isinstance(error, ApiError):
         resp.status, resp.media = falcon.code_to_http_status(error.status), error.body()
     elif isinstance(error, falcon.HTTPError):
+        kinds = {falcon.HTTPNotFound: "not_found", falcon.HTTPMethodNotAllowed: "method_not_allowed"}
         resp.status = error.status
-        resp.media = {"error": error.description or error.title or str(error.status), "error_type": "http"}
+        if error.headers:
+            resp.set_headers(error.headers)
+        resp.media = {"error": error.description or error.title or str(error.status),
+                      "error_type": kinds.get(type(error), "http")}
     else:
         raise error
 
 
 def own_routes(router: ModelRouter) -> falcon.asgi.App:
+    """The Falcon app of the router's own routes."""
     app = falcon.asgi.App()
     health = RouterHealth(router)
     app.add_route("/health", health)
     app.add_route("/ping", health)
+    app.add_route("/", health)
     app.add_route("/v1/models", RouterModels(router))
     app.add_route("/metrics", RouterMetrics(router))
     app.add_error_handler(ApiError, error_body)

@@ -20,6 +20,9 @@ from tokenmill.model import kv_memory
 
 log = logging.getLogger(__name__)
 
+RETRY_SECONDS = 10.0
+"""How long a model whose load failed answers with that error before a request loads it again."""
+
 
 class AppLifespan:
     """Drives an ASGI app's lifespan (start-up, shut-down) as a server would."""
@@ -59,9 +62,11 @@ class ServedModel:
         self.open = 0
         """Requests routed to it and not yet answered."""
         self.last_used = 0.0
+        self.opened_at = 0.0
 
     @property
     def state(self) -> ServerState | None:
+        """Its app's state, or None while it is not loaded."""
         return self.app.state if self.app is not None else None
 
     @property
@@ -76,11 +81,13 @@ class ServedModel:
 
     @property
     def evictable(self) -> bool:
+        """Loaded (or failed) with no request open: it may be unloaded to make room."""
         return self.open == 0 and self.status in ("loaded", "failed")
 
     async def open_app(self) -> None:
         """Create its app and start its lifespan: the model loads in a thread of its own."""
         log.info("loading model %s (%s)", self.name, self.config.model_id)
+        self.opened_at = time.monotonic()
         try:
             app = create_app(self.config, self.pm)
         except Exception as error:  # noqa: BLE001 - a plugin's route hook that fails: this model cannot serve
@@ -103,10 +110,14 @@ class ServedModel:
                 await lifespan.run("shutdown")
             except RuntimeError as error:
                 log.warning("model %s: its shutdown failed (%s); it is dropped anyway", self.name, error)
-        gc.unfreeze()  # the heap frozen at its start-up holds its objects too
+        gc.unfreeze()  # the heap frozen at its start-up holds its objects too; the next start freezes it again
         gc.collect()
         kv_memory.trim_heap()
-        kv_memory.freeze_heap()
 
     def touch(self) -> None:
+        """It was just used (the least recently used idle model is unloaded first)."""
         self.last_used = time.monotonic()
+
+    def may_retry(self) -> bool:
+        """Whether a failed load is old enough to try again (sooner, its requests get its error)."""
+        return time.monotonic() - self.opened_at >= RETRY_SECONDS
