@@ -78,8 +78,11 @@ def states(server: RunningServer) -> dict[str, str]:
     return {model["id"]: model["status"]["value"] for model in listed}
 
 
-def test_every_checkpoint_is_listed_unloaded_until_asked_for(server):
+def test_every_checkpoint_is_listed_unloaded_until_asked_for_and_an_unknown_name_loads_nothing(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200, "it can serve: models load on demand"
+    unknown = completion(server, "tiny-z")
+    assert unknown.status_code == 404 and unknown.json()["error_type"] == "not_found"
+    assert "tiny-z" in unknown.json()["error"]
     assert states(server) == {"tiny-a": "unloaded", "tiny-b": "unloaded", "tiny-c": "unloaded",
                               "zz-broken": "unloaded"}
 
@@ -95,6 +98,9 @@ def test_each_model_answers_by_name_with_its_own_greedy_tokens(server, models_di
         "inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}})
     assert [token["id"] for token in default.json()["details"]["tokens"]] == reference_tokens(models_dir / "tiny-a")
     assert states(server)["tiny-a"] == "loaded" and states(server)["tiny-b"] == "loaded"
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text  # each sample labelled with its model
+    assert 'tgi_request_success{model="tiny-a"} 2.0' in text and 'tgi_request_success{model="tiny-b"} 2.0' in text
+    assert text.count("# TYPE tgi_request_success counter") == 1
 
 
 def test_a_third_model_unloads_the_least_recently_used_idle_one(server, models_dir):
@@ -130,21 +136,6 @@ def test_a_model_that_fails_to_load_answers_with_the_error_and_the_others_go_on(
     assert again.status_code == 503 and again.json()["error"] == failed.json()["error"], "not reloaded at once"
     assert server.process.poll() is None, "the process serves on"
     assert generated_tokens(server, "tiny-a") == reference_tokens(models_dir / "tiny-a")
-
-
-def test_an_unknown_model_is_404_with_tgi_body_and_loads_nothing(server):
-    response = completion(server, "tiny-z")
-    assert response.status_code == 404 and response.json()["error_type"] == "not_found"
-    assert "tiny-z" in response.json()["error"]
-    assert set(states(server).values()) == {"unloaded"}
-
-
-def test_metrics_label_each_sample_with_its_model(server):
-    completion(server, "tiny-a")
-    completion(server, "tiny-b")
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'tgi_request_success{model="tiny-a"} 1.0' in text and 'tgi_request_success{model="tiny-b"} 1.0' in text
-    assert text.count("# TYPE tgi_request_success counter") == 1
 
 
 def test_without_the_api_key_nothing_loads(models_dir, tmp_path):
