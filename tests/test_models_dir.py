@@ -138,6 +138,7 @@ def test_a_model_that_fails_to_load_answers_with_the_error_and_the_others_go_on(
     assert generated_tokens(server, "tiny-a") == reference_tokens(models_dir / "tiny-a")
 
 
+@pytest.mark.slow  # a server of its own
 def test_without_the_api_key_nothing_loads(models_dir, tmp_path):
     running = start_server(["--models-dir", str(models_dir), "--server", "uvicorn", "--api-key", "secret"], tmp_path)
     try:
