@@ -57,6 +57,27 @@ from tokenmill.plugin_manager import build_plugin_manager
 log = logging.getLogger(__name__)
 
 
+def answer_api_error(resp: falcon.asgi.Response, error: ApiError) -> None:
+    resp.status = falcon.code_to_http_status(error.status) if error.status != 499 else "499 Client Closed Request"
+    resp.media = error.body()
+
+
+def answer_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: falcon.HTTPError) -> None:
+    """Falcon's own errors (no route for the path, a method the route lacks, ...) with TGI's body too, in place
+    of Falcon's ``{"title": ...}``; their headers (405's ``Allow``) are kept."""
+    resp.status = error.status
+    if error.headers:
+        resp.set_headers(error.headers)
+    if isinstance(error, falcon.HTTPNotFound):
+        message, error_type = f"no route for {req.method} {req.path}", "not_found"
+    elif isinstance(error, falcon.HTTPMethodNotAllowed):
+        message, error_type = f"{req.method} is not allowed on {req.path}", "method_not_allowed"
+    else:
+        message, error_type = error.title or str(error.status), "http"
+    message = error.description or message  # what a route (or a plugin's) that raised it says
+    resp.media = {"error": message, "error_type": error_type}
+
+
 class ErrorHandlers:
     """Every error is answered with TGI's body; a generation request that fails before it reached
     the engine (422, 429, 503, ...) is reported like one that failed in it."""
@@ -71,26 +92,13 @@ class ErrorHandlers:
 
     async def api_error(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: ApiError,
                         params: Any) -> None:
-        resp.status = falcon.code_to_http_status(error.status) if error.status != 499 else "499 Client Closed Request"
-        resp.media = error.body()
+        answer_api_error(resp, error)
         self.report(req, error.message, error.error_type)
 
     async def http_error(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: falcon.HTTPError,
                          params: Any) -> None:
-        """Falcon's own errors (no route for the path, a method the route lacks, ...) with TGI's body
-        too, in place of Falcon's ``{"title": ...}``; their headers (405's ``Allow``) are kept."""
-        resp.status = error.status
-        if error.headers:
-            resp.set_headers(error.headers)
-        if isinstance(error, falcon.HTTPNotFound):
-            message, error_type = f"no route for {req.method} {req.path}", "not_found"
-        elif isinstance(error, falcon.HTTPMethodNotAllowed):
-            message, error_type = f"{req.method} is not allowed on {req.path}", "method_not_allowed"
-        else:
-            message, error_type = error.title or str(error.status), "http"
-        message = error.description or message  # what a route (or a plugin's) that raised it says
-        resp.media = {"error": message, "error_type": error_type}
-        self.report(req, message, error_type)
+        answer_http_error(req, resp, error)
+        self.report(req, resp.media["error"], resp.media["error_type"])
 
     async def unexpected(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception,
                          params: Any) -> None:

@@ -143,13 +143,18 @@ class ReadBody:
         self.whole = not message.get("more_body")
 
 
-def wants_stream(body: bytes) -> bool:
-    """Whether a JSON body asks for a stream (``"stream": true``); a body that is no JSON object does not."""
+def body_object(body: bytes) -> dict[str, Any]:
+    """A JSON body's object (empty for a body that is no JSON object: its route answers that)."""
     try:
         parsed = json.loads(body)
     except ValueError:
-        return False
-    return isinstance(parsed, dict) and parsed.get("stream") is True
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether a JSON body asks for a stream (``"stream": true``)."""
+    return body_object(body).get("stream") is True
 
 
 def replay(messages: list[Any], receive: Receive) -> Receive:

@@ -114,13 +114,19 @@ def release_pages(tensor: torch.Tensor) -> int:
     libc = _c_library()
     if not libc or tensor.device.type != "cpu" or not tensor.is_contiguous() or not hasattr(libc, "madvise"):
         return 0
+    pages = interior_pages(tensor)
+    if pages is None or libc.madvise(pages[0], pages[1], MADV_DONTNEED) != 0:
+        return 0
+    return pages[1]
+
+
+def interior_pages(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The address and length of the whole memory pages inside ``tensor``'s memory (None for less than a page)."""
     page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr()
     first = -(-start // page) * page
-    last = (start + tensor.nelement() * tensor.element_size()) // page * page
-    if last <= first or libc.madvise(first, last - first, MADV_DONTNEED) != 0:
-        return 0
-    return last - first
+    last = (start + tensor.nbytes) // page * page
+    return (first, last - first) if last > first else None
 
 
 def _c_library() -> Any:

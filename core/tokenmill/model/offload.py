@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 MIN_BYTES = 1 << 20
 """Tensors smaller than this stay in memory (norms, biases: a few pages each)."""
 
-PAGE = mmap.PAGESIZE
-
 
 class WeightFile:
     """One model's weights written out (see the module's docstring). It holds the tensors it mapped, and when it
@@ -58,7 +56,7 @@ class WeightFile:
             return 0
         released = 0
         for tensor in model_tensors(model):
-            pages = interior_pages(tensor)
+            pages = kv_memory.interior_pages(tensor)
             if pages is None:
                 continue
             known = self.mapped.get(id(tensor))
@@ -132,11 +130,3 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
                     and tensor.data_ptr() not in seen):
                 seen.add(tensor.data_ptr())
                 yield tensor
-
-
-def interior_pages(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The address and length of the whole pages inside ``tensor``'s memory (None for less than a page)."""
-    start = tensor.data_ptr()
-    first = -(-start // PAGE) * PAGE
-    last = (start + tensor.nbytes) // PAGE * PAGE
-    return (first, last - first) if last > first else None

@@ -21,7 +21,7 @@ import pluggy
 
 from tokenmill.config import Config, ConfigError
 from tokenmill.http.body import ApiError
-from tokenmill.http.holding import HELD_PATHS, Receive, Send, loaded, read_body, replay
+from tokenmill.http.holding import HELD_PATHS, Receive, Send, body_object, loaded, read_body, replay
 from tokenmill.http.middleware import UNAUTHORIZED, ApiKeyAuth, open_route
 from tokenmill.http.router.catalog import model_config, served_models
 from tokenmill.http.router.routes import RouterMetrics, own_routes
@@ -166,11 +166,7 @@ class ModelRouter:
 
 def body_model(body: bytes) -> str | None:
     """A JSON body's ``model`` (None for a body without one, or no JSON object)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
-    model = parsed.get("model") if isinstance(parsed, dict) else None
+    model = body_object(body).get("model")
     return model if isinstance(model, str) and model else None
 
 

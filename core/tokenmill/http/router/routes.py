@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import falcon
 import falcon.asgi
 
+from tokenmill.http.app import answer_api_error, answer_http_error
 from tokenmill.http.body import ApiError
 from tokenmill.observability.labelled import merge_expositions
 
@@ -65,16 +66,11 @@ class RouterMetrics:
 
 
 async def error_body(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: Exception, params: Any) -> None:
-    """Errors with TGI's body."""
+    """Errors with TGI's body, as the one-model app answers them."""
     if isinstance(error, ApiError):
-        resp.status, resp.media = falcon.code_to_http_status(error.status), error.body()
+        answer_api_error(resp, error)
     elif isinstance(error, falcon.HTTPError):
-        kinds = {falcon.HTTPNotFound: "not_found", falcon.HTTPMethodNotAllowed: "method_not_allowed"}
-        resp.status = error.status
-        if error.headers:
-            resp.set_headers(error.headers)
-        resp.media = {"error": error.description or error.title or str(error.status),
-                      "error_type": kinds.get(type(error), "http")}
+        answer_http_error(req, resp, error)
     else:
         raise error
 
