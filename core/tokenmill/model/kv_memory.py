@@ -81,15 +81,22 @@ def kv_pool_tokens(config: Config, model_config: Any, loaded: LoadedModel) -> in
     return min(tokens, ceiling)
 
 
-ONEDNN_PRIMITIVE_CACHE = 256
-"""oneDNN's cache of compiled matmul kernels, one per shape (a step's token count): its default of 1024
-holds hundreds of MB once a server has seen that many step sizes; a quarter of it keeps the common ones."""
+ONEDNN_PRIMITIVE_CACHE = 64
+"""oneDNN's cache of compiled matmul kernels, one per shape (a step's token count times each weight's shape),
+~0.3 MB each: its default of 1024 holds hundreds of MB once a server has seen that many step sizes."""
+
+IDEEP_COMPUTATION_CACHE = 64
+"""The cache of ideep (oneDNN's C++ layer in torch) in front of it, read from ``LRU_CACHE_CAPACITY``: one
+entry per packed linear layer's call shape, ~0.25 MB each, 1024 by default. Both at their defaults, a server
+kept ~350 MB more after seeing a few hundred step sizes (`python -m bench soak`); at 64 each, a step size
+seen again is still found (a decode batch keeps its size for many steps)."""
 
 
 def bound_native_caches() -> None:
-    """Cap oneDNN's kernel cache (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set): read when oneDNN first
-    runs, so call this before the model does."""
+    """Cap oneDNN's and ideep's kernel caches (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` or
+    ``LRU_CACHE_CAPACITY`` is set): read when they are first used, so call this before the model runs."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_COMPUTATION_CACHE))
 
 
 def trim_heap() -> bool:
