@@ -77,8 +77,9 @@ def wait_compiled(server: TimedServer, timeout_s: float = 900) -> dict[str, Any]
         time.sleep(0.25)
         info = server_info(server.url)
     compiled = info.get("forward") == "compiled"
-    return {"forward": info.get("forward"), "compiled_s": round(time.monotonic() - server.spawned, 2)
-            if compiled else None, "stages": stage_shares(info.get("load_stages") or [], server.ready_s)}
+    return {"forward": info.get("forward"), "forward_from_cache": info.get("forward_from_cache"),
+            "compiled_s": round(time.monotonic() - server.spawned, 2) if compiled else None,
+            "stages": stage_shares(info.get("load_stages") or [], server.ready_s)}
 
 
 def tokenmill_system(cache_dir: Path, cgroup: Any = None, extra: tuple[str, ...] = ()) -> peers.System:

@@ -1,4 +1,4 @@
-"""Float32 linear layers packed for oneDNN on CPU compute what nn.Linear computes."""
+"""Float32 and bfloat16 linear layers packed for oneDNN on CPU compute what nn.Linear computes."""
 
 from __future__ import annotations
 
@@ -42,9 +42,27 @@ def test_packing_replaces_every_linear_and_keeps_the_model_output(tiny_model_dir
     assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 
-def test_only_float32_models_on_cpu_are_packed():
+def test_only_float32_and_bfloat16_models_on_cpu_are_packed():
     assert packing_unavailable_reason(nn.Linear(4, 4)) is None
-    assert "bfloat16" in packing_unavailable_reason(nn.Linear(4, 4).to(torch.bfloat16))
+    assert "float16" in packing_unavailable_reason(nn.Linear(4, 4).to(torch.float16))
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert packing_unavailable_reason(nn.Linear(4, 4).to(torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bfloat16 matmul here")
+@pytest.mark.parametrize("shape", [(1, 64), (9, 64), (1, 5, 64)])
+def test_a_packed_bfloat16_linear_computes_what_nn_linear_computes_eagerly_and_compiled(shape: tuple[int, ...]):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    compiled = torch.compile(packed, dynamic=True, fullgraph=True)
+    with torch.inference_mode():
+        expected = linear(x)
+        eager, through_compile = packed(x), compiled(x)
+    for out in (eager, through_compile):
+        assert out.shape == expected.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_packing_is_a_setting_that_defaults_on():

@@ -54,7 +54,7 @@ def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend
     assert body["details"]["finish_reason"] == "eos_token"
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["backend"] == backend
     stages = {s["stage"]: s["seconds"] for s in info["load_stages"]}
-    packed = {"packing weights"} if info["model_dtype"] == "float32" else set()  # oneDNN packs float32 only
+    packed = {"packing weights"} if info["model_dtype"] in ("float32", "bfloat16") else set()
     built = {"compiling the forward"} if info["forward"] == "compiled" else set()
     assert set(stages) == {"resolving", "converting gguf", "loading weights", *packed, "warm-up", *built}
     warm_up = next(s for s in info["load_stages"] if s["stage"] == "warm-up")
@@ -64,20 +64,30 @@ def test_default_model_answers_paris_and_a_second_start_skips_conversion(backend
         info, answer = compiled
         assert info["forward"] == "compiled", info
         assert answer["generated_text"] == body["generated_text"], (answer, body)
+        if fresh_cache:
+            assert info["forward_from_cache"] is False, info
         assert any((smollm2_cache / "inductor").iterdir()), "inductor's caches live in tokenmill's"
     else:
         assert info["forward"] == "eager"
     if fresh_cache:
         assert stages["converting gguf"] > 1.0, stages
 
-    second = start_server(["--server", "uvicorn", "--backend", backend, "--no-compile-model"], tmp_path, env=env)
+    # The second start compiles again where the first did: its graph then comes from the compile cache.
+    compiling = [] if backend == "paged" else ["--no-compile-model"]
+    second = start_server(["--server", "uvicorn", "--backend", backend, *compiling], tmp_path, env=env)
     try:
         with second.client() as client:
             again = client.get("/info").json()
+            recompiled = wait_until_compiled(client) if backend == "paged" else None
     finally:
         second.stop()
     assert {s["stage"]: s["seconds"] for s in again["load_stages"]}["converting gguf"] < 1.0, again
-    assert again["forward"] == "eager"
+    if recompiled:
+        info_again, answer_again = recompiled
+        assert info_again["forward"] == "compiled" and info_again["forward_from_cache"] is True, info_again
+        assert answer_again["generated_text"] == body["generated_text"], (answer_again, body)
+    else:
+        assert again["forward"] == "eager" and again["forward_from_cache"] is None
 
 
 def wait_until_compiled(client, timeout_s: float = 600) -> tuple[dict, dict]:

@@ -216,6 +216,7 @@ class InfoRoute:
             "load_stage": "ready" if serving is not None else (state.stages.current or "starting"),
             "load_stages": [{**stage, "detail": without_directories(stage["detail"])} for stage in state.stages.done],
             "forward": state.compiler.forward if state.compiler is not None else None,
+            "forward_from_cache": state.compiler.from_cache if state.compiler is not None else None,
             "sleeping": state.engine.asleep if state.engine is not None else False,
             "queue_size": serving.queue_size if serving else 0,
             "batch_size": serving.batch_size if serving else 0,

@@ -85,6 +85,9 @@ class Compiler:
         self.runner = runner
         self.stages = stages
         self.state: Forward = "eager"
+        self.from_cache: bool | None = None
+        """Whether the background compile found its graph in inductor's and AOTAutograd's caches (a restart
+        on a machine that compiled this checkpoint with these settings before), once it is built."""
         reason = compile_unavailable_reason(config, loaded, runner) if config.compile_model else "--no-compile-model"
         self.in_background = reason is None and hasattr(runner, "build_compiled_forward") \
             and not config.compile_before_ready
@@ -116,6 +119,7 @@ class Compiler:
         yield_to_engine()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
+        hits = compile_cache_hits()
         try:
             self.stages.run(self.STAGE, self.runner.build_compiled_forward,
                             detail="torch.compile, in the background: steps ran eagerly until it was built")
@@ -125,10 +129,20 @@ class Compiler:
             return
         finally:
             sys.setswitchinterval(switch_interval)
+        self.from_cache = compile_cache_hits() > hits
         self.state = "compiled"
         freeze_heap()  # what tracing left behind (graphs, fake tensors) is collected, goes back to the OS with
         trim_heap()    # the heap's trim, and what the compile keeps is frozen
         log.info("steps now run through the compiled forward")
+
+
+def compile_cache_hits() -> int:
+    """How many compiled graphs this process has taken from AOTAutograd's cache (torch's own counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["aot_autograd"].get("autograd_cache_hit", 0))
 
 
 def inductor_unavailable_reason() -> str | None:

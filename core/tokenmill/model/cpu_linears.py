@@ -1,15 +1,19 @@
-"""Linear layers with weights packed once for oneDNN, for float32 models on CPU.
+"""Linear layers with weights packed once for oneDNN, for float32 and bfloat16 models on CPU.
 
-``F.linear`` in float32 on CPU multiplies by the transposed weight as stored. oneDNN can
-instead keep each weight in its own blocked layout, laid out for the order its kernel
-reads it. On 2 cores, timing the matmuls of SmolLM2's 30 layers alone, that is about
-1.5× faster at one token a step and 1.2× at 32, and the 49k-row LM head is 2× faster; a
-whole decode step at batch 1 goes from 67 to 46 ms (``python -m bench latency``, with and
-without ``--no-prepack-weights``). bfloat16 already goes through oneDNN's bf16 kernels, and
-packing its weights too made decode slower: SmolLM2 compiled, 200-token prompts, a decode step
-took 29.5 ms packed against 17.8 at batch 1, 58.9 against 53.9 at 32 and 103.4 against 104.8 at 64
-(``python -m bench latency --batch-size 1 32 64 --sequence-length 200 --decode-length 16``, with a
-one-off change that packed bf16 too). So only float32 models are packed.
+``F.linear`` on CPU multiplies by the transposed weight as stored, laying it out for oneDNN's kernel at
+every call. oneDNN can instead keep each weight in its own blocked layout, laid out once for the order
+its kernel reads it. On 2 cores, timing the matmuls of SmolLM2's 30 layers alone in float32, that is
+about 1.5× faster at one token a step and 1.2× at 32, and the 49k-row LM head is 2× faster; a whole
+decode step at batch 1 goes from 67 to 46 ms (``python -m bench latency``, with and without
+``--no-prepack-weights``). bfloat16 weights are packed as inductor packs them when it freezes a graph
+(``mkldnn._reorder_linear_weight``): eagerly, a decode step of SmolLM2 took 56 ms at batch 1 and 156 ms
+at 32, against 64 and 182 unpacked (``python -m bench.latency --no-compile-model --dtype bfloat16``).
+(Packing bfloat16 with ``to_mkldnn()``, which keeps the plain layout, had made it slower.)
+
+A compiled forward calls every packed layer as one opaque operator, ``tokenmill::packed_linear``, whose
+weight is an input of the graph rather than a constant: so the graph is compiled without freezing, and
+inductor's and AOTAutograd's caches keep it (a frozen graph's packed constants cannot be saved), which
+makes the compile at a restart take ~10 s instead of ~60.
 
 A packed layer keeps no dense ``weight``: code that needs the weights themselves (a
 quantizer, sharding, adapters) runs before packing, or with ``--no-prepack-weights``.
@@ -26,6 +30,23 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+_LIBRARY = torch.library.Library("tokenmill", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+for _key in ("CPU", "MkldnnCPU"):  # the packed weight's dispatch key is oneDNN's
+    _LIBRARY.impl("packed_linear", _packed_linear, _key)
+
+
+@torch.library.register_fake("tokenmill::packed_linear")
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.size(0)))
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward, on a weight held in oneDNN's layout."""
 
@@ -33,15 +54,28 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
+        weight = linear.weight.detach()
+        packed = weight.to_mkldnn() if weight.dtype == torch.float32 else \
+            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias)
+        return _packed_linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def has_packed_linears(model: nn.Module) -> bool:
+    """Whether :func:`pack_linears` packed any of ``model``'s layers."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_unavailable_reason(model: Any) -> str | None:
@@ -51,23 +85,25 @@ def packing_unavailable_reason(model: Any) -> str | None:
         return "the model has no parameters"
     if parameter.device.type != "cpu":
         return f"the model runs on {parameter.device.type}, not CPU"
-    if parameter.dtype != torch.float32:
-        return f"the model is {str(parameter.dtype).replace('torch.', '')} (bfloat16 and float16 already use oneDNN)"
+    if parameter.dtype not in PACKED_DTYPES:
+        return f"the model is {str(parameter.dtype).replace('torch.', '')} (only float32 and bfloat16 are packed)"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no oneDNN linear kernel"
+    if parameter.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no oneDNN bfloat16 matmul"
     if getattr(model, "hf_quantizer", None) is not None:
         return "the model is quantized"
-    if not any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
-        return "no float32 linear layer is left (a quantizer replaced them)"
+    if not any(type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES for m in model.modules()):
+        return "no float32 or bfloat16 linear layer is left (a quantizer replaced them)"
     return None
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every plain float32 ``nn.Linear`` in ``model`` by a :class:`PackedLinear`;
+    """Replace every plain float32 or bfloat16 ``nn.Linear`` in ``model`` by a :class:`PackedLinear`;
     returns how many were replaced. A weight shared with another module (a tied LM head)
     is copied into the packed layout and stays in place for the other module."""
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and module.weight.dtype == torch.float32]
+               if type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -65,6 +65,9 @@ class Info(ResponseModel):
     load_stages: list[LoadStage] | None = None
     forward: Literal["eager", "compiling", "compiled"] | None = None
     """The model forward the steps run: compiled, eager, or eager while the compiled one is built."""
+    forward_from_cache: bool | None = None
+    """Once the compiled forward is built in the background: whether its graph came from the compile cache
+    (``TOKENMILL_CACHE_DIR``; a restart where this checkpoint was compiled with these settings before)."""
     sleeping: bool | None = None
     """The server sleeps (``--sleep-after-idle``, ``POST /sleep``): its KV memory went back to the system."""
     queue_size: int | None = None

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenmill.interfaces import AttentionKernel, BlockPool, PagedStep
+from tokenmill.model.cpu_linears import has_packed_linears
 from tokenmill_plugins.backends.paged.attention import current_step
 
 BUILD_STEPS = ((8, 1), (1, 1), (3, 3))
@@ -29,6 +30,9 @@ class CompiledForward:
 
     def __init__(self, model: Any) -> None:
         self.compiled = torch.compile(model, dynamic=True, fullgraph=True)
+        self.freezing = not has_packed_linears(model)
+        """Weights as constants, so that inductor packs them for oneDNN itself; not where tokenmill packed them
+        (their weights are then the graph's inputs, and the compile is kept in inductor's caches)."""
         self.ran = False
         """Whether a call went through, the compile with it: later calls skip dynamo's guards."""
 
@@ -38,15 +42,14 @@ class CompiledForward:
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
         token = current_step.set(step)
         try:
-            # Weights as constants, so the oneDNN matmuls take them packed (inductor packs plain ones itself).
-            # Set per call, not through compile options: the compile happens inside the first call.
+            # Freezing set per call, not through compile options: the compile happens inside the first call.
             # Once compiled, the guards are not evaluated again: every step has the same kinds of inputs (token
             # ids, positions and kept rows of any length, the model unchanged), and checking the model's guards
             # cost 1.4 ms a step, 9 % of a bf16 decode step of one sequence.
             # Python floats (the attention scale, norms' epsilon) as constants: traced as symbols, they made
             # dynamo start its analysis over, 16 s of a 56 s compile.
-            with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(specialize_float=True), \
-                    self._guard_stance(), self._collections_held():
+            with torch._inductor.config.patch(freezing=self.freezing), \
+                    torch._dynamo.config.patch(specialize_float=True), self._guard_stance(), self._collections_held():
                 out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         finally:
             current_step.reset(token)
