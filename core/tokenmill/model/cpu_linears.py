@@ -78,6 +78,11 @@ def has_packed_linears(model: nn.Module) -> bool:
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def packable(module: nn.Module) -> bool:
+    """Whether :func:`pack_linears` replaces ``module``: a plain ``nn.Linear`` of a packed dtype."""
+    return type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES
+
+
 def packing_unavailable_reason(model: Any) -> str | None:
     """None when ``model``'s linear layers can be packed here, else why not."""
     parameter = next(model.parameters(), None)
@@ -93,7 +98,7 @@ def packing_unavailable_reason(model: Any) -> str | None:
         return "this CPU has no oneDNN bfloat16 matmul"
     if getattr(model, "hf_quantizer", None) is not None:
         return "the model is quantized"
-    if not any(type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES for m in model.modules()):
+    if not any(packable(module) for module in model.modules()):
         return "no float32 or bfloat16 linear layer is left (a quantizer replaced them)"
     return None
 
@@ -102,8 +107,7 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every plain float32 or bfloat16 ``nn.Linear`` in ``model`` by a :class:`PackedLinear`;
     returns how many were replaced. A weight shared with another module (a tied LM head)
     is copied into the packed layout and stays in place for the other module."""
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES]
+    targets = [(name, module) for name, module in model.named_modules() if packable(module)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
