@@ -116,3 +116,14 @@ def test_a_shard_that_makes_rank_0s_pool_changes_holds_the_same_block_tables() -
     apply_changes(shard, rank0.take_changes())
     assert all(shard.blocks_of(s.id) == rank0.blocks_of(s.id) for s in seqs)
     assert shard.free_blocks() == rank0.free_blocks() and rank0.take_changes() == []
+
+
+def test_freed_blocks_are_handed_out_again_before_blocks_never_written() -> None:
+    pool = new_pool(blocks=16)
+    assert pool.reserve(1, 3 * BLOCK)
+    first = pool.blocks_of(1)
+    pool.free(1)
+    for seq_id in range(2, 6):  # one after another: the pool's other 13 blocks stay untouched, out of memory
+        assert pool.reserve(seq_id, 3 * BLOCK)
+        assert sorted(pool.blocks_of(seq_id)) == sorted(first)
+        pool.free(seq_id)

@@ -34,6 +34,9 @@ class PagedPool(CachingBlockPool):
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._zero([0])
         self.free_list: deque[int] = deque(range(1, num_blocks + 1))
+        """Blocks no sequence holds and no name keeps, taken from the front; a freed block goes back to the
+        front, so that its pages, already in memory, are written next and the pool's untouched pages stay
+        untouched: the RSS grows with the most blocks held (or cached) at once, not with the traffic."""
         self.cached: OrderedDict[int, None] = OrderedDict()
         """Named blocks no sequence holds, least recently used first."""
         self.ref_counts = [0] * (num_blocks + 1)
@@ -88,7 +91,7 @@ class PagedPool(CachingBlockPool):
                 if block in self.hash_of:
                     self.cached[block] = None
                 else:
-                    self.free_list.append(block)
+                    self.free_list.appendleft(block)
 
     def truncate(self, seq_id: int, tokens: int) -> None:
         table = self.tables.get(seq_id)
@@ -102,7 +105,7 @@ class PagedPool(CachingBlockPool):
         for block in reversed(table[keep:]):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_list.append(block)
+                self.free_list.appendleft(block)
         del table[keep:]
         if offset and table:
             first = table[-1] * self.block_size
@@ -165,7 +168,7 @@ class PagedPool(CachingBlockPool):
         del self.by_hash[block_hash]
         if block in self.cached:
             del self.cached[block]
-            self.free_list.append(block)
+            self.free_list.appendleft(block)
 
     def drop_cached(self) -> int:
         dropped = list(self.cached)
