@@ -58,10 +58,10 @@ from bench.starts import (
     LOGS,
     MIB,
     POLL_S,
+    CompiledWatch,
     TimedServer,
     tokenmill_system,
     tree_memory,
-    wait_compiled,
 )
 
 ABOUT = ("first and warm starts of tokenmill and vLLM CPU (time to ready, the first request's TTFT, RSS at "
@@ -250,6 +250,7 @@ def load(server: TimedServer, requests: list[Prompt], size: Size, model: str, pr
          cgroup: Cgroup | None) -> dict[str, Any]:
     """The c=64 load, with the server tree's peak RSS (and the cgroup's sampled usage) while it ran."""
     label = f"{server.system.name} c={CONCURRENCY}"
+    forget_prefixes(server)
     if cgroup:
         cgroup.reset_peak()
     with peak(server.rss_bytes) as rss, peak(cgroup.usage if cgroup else lambda: 0) as usage:
@@ -265,9 +266,16 @@ def load(server: TimedServer, requests: list[Prompt], size: Size, model: str, pr
             **({"cgroup_sampled_peak_mib": round(usage[0] / MIB, 1)} if cgroup else {})}
 
 
+def forget_prefixes(server: TimedServer) -> None:
+    """Drop tokenmill's cached prefixes, so that a load after another of the same prompts prefills them in full."""
+    if server.system.name == "tokenmill":
+        httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
 def burst(server: TimedServer, requests: list[Prompt], size: Size, model: str, progress: Progress,
           label: str) -> dict[str, Any]:
     """:data:`BURST` requests of the load sent at once; their tokens/s."""
+    forget_prefixes(server)
     report = asyncio.run(run_load(server.url, server.system.api, requests[:BURST], concurrency=BURST, requests=BURST,
                                   max_new_tokens=size.max_new_tokens, time_bound_s=size.time_bound_s, model=model,
                                   progress=progress.load(label, BURST)))
@@ -290,6 +298,7 @@ def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers
     entry: dict[str, Any] = {"ready_s": round(server.ready_s, 2)}
     model = system.model_name(checkpoint)
     with server:
+        watch = CompiledWatch(server) if system.name == "tokenmill" else None
         entry["first_request"] = first_request(server, first, model)
         entry["memory_ready"] = tree_memory(server)
         progress.say(f"  ready after {server.ready_s:.2f} s; first request's TTFT "
@@ -297,7 +306,7 @@ def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers
         if system.name == "tokenmill":
             if requests:
                 entry["burst_at_ready"] = burst(server, requests, size, model, progress, f"burst of {BURST} at ready")
-            entry.update(wait_compiled(server))
+            entry.update(watch.result())
             progress.say(f"  forward {entry['forward']} after {fmt(entry['compiled_s'], 1)} s "
                          f"(from the compile cache: {entry['forward_from_cache']})")
             if requests:

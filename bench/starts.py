@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,16 +71,37 @@ def tree_memory(server: peers.RunningServer) -> dict[str, float | None]:
     return {"rss_mib": round(rss / MIB, 1), "pss_mib": round(pss / MIB, 1), "processes": len(processes)}
 
 
+class CompiledWatch:
+    """Polls tokenmill's /info, in a thread of its own, until ``forward`` is no longer ``compiling``: the time
+    to the compiled forward is then seen even while requests run."""
+
+    def __init__(self, server: TimedServer, timeout_s: float = 900) -> None:
+        self.server = server
+        self.timeout_s = timeout_s
+        self.found: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._poll, name="compiled-watch", daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        server = self.server
+        info = server_info(server.url)
+        while info.get("forward") == "compiling" and time.monotonic() < server.spawned + self.timeout_s:
+            time.sleep(0.25)
+            info = server_info(server.url)
+        compiled = info.get("forward") == "compiled"
+        self.found = {"forward": info.get("forward"), "forward_from_cache": info.get("forward_from_cache"),
+                      "compiled_s": round(time.monotonic() - server.spawned, 2) if compiled else None,
+                      "stages": stage_shares(info.get("load_stages") or [], server.ready_s)}
+
+    def result(self) -> dict[str, Any]:
+        """``forward``, ``forward_from_cache``, ``compiled_s`` (after launch) and the load stages, once known."""
+        self.thread.join()
+        return self.found
+
+
 def wait_compiled(server: TimedServer, timeout_s: float = 900) -> dict[str, Any]:
     """Poll tokenmill's /info until ``forward`` is no longer ``compiling``; its load stages then."""
-    info = server_info(server.url)
-    while info.get("forward") == "compiling" and time.monotonic() < server.spawned + timeout_s:
-        time.sleep(0.25)
-        info = server_info(server.url)
-    compiled = info.get("forward") == "compiled"
-    return {"forward": info.get("forward"), "forward_from_cache": info.get("forward_from_cache"),
-            "compiled_s": round(time.monotonic() - server.spawned, 2) if compiled else None,
-            "stages": stage_shares(info.get("load_stages") or [], server.ready_s)}
+    return CompiledWatch(server, timeout_s).result()
 
 
 def tokenmill_system(cache_dir: Path, cgroup: Any = None, extra: tuple[str, ...] = ()) -> peers.System:

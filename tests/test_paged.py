@@ -333,7 +333,9 @@ def test_a_background_build_that_fails_is_tried_again_before_the_forward_stays_e
     builds, failing = [], [paged.BUILD_ATTEMPTS - 1]
 
     class FlakyForward:
-        def __init__(self, model):
+        loaded = False
+
+        def __init__(self, model, saved_at):
             self.model = model
 
         def build(self, pool, kernel, device):

@@ -121,7 +121,11 @@ def tokenmill_backends() -> list[Backend]:
     thread of its own (the load stage "compiling the forward", `/info`'s `forward`), while the
     engine already steps eagerly; it must not touch what the engine thread owns (the KV pool),
     must leave the steps eager until it returns, and raises if the compile fails
-    (`--compile-before-ready` keeps the compile in the warm-up).
+    (`--compile-before-ready` keeps the compile in the warm-up). It may return True where it loaded
+    a forward an earlier start saved instead of compiling (`/info`'s `forward_from_cache`); a runner
+    that saves its forward also offers `compiled_forward_saved()` (whether one is saved for this model
+    on this machine): tokenmill then builds at normal CPU priority instead of the lowest, since a
+    load takes seconds. The paged runner saves its forward where its linear layers are packed.
 
     **An engine of its own.** A backend that loads the model and schedules, samples and keeps KV
     memory itself sets `owns_engine = True` and implements `create_engine(setup: EngineSetup)`

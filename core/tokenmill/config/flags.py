@@ -168,8 +168,8 @@ _HELP = {
     "kv_memory_fraction": ("CPU: share of the RAM available after loading that the KV pool may take when "
                            "--max-batch-total-tokens is unset"),
     "prepack_weights": ("CPU, float32 and bfloat16: hold linear weights in oneDNN's packed layout (faster "
-                        "matmuls, and a compiled forward kept in inductor's cache; --no-prepack-weights keeps plain "
-                        "nn.Linear)"),
+                        "matmuls, and a compiled forward saved for the next start to load; --no-prepack-weights "
+                        "keeps plain nn.Linear)"),
     "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor). It is built in the "
                       "background (tens of seconds; /info's forward says when it is in) while the server already "
                       "serves with the eager forward; --no-compile-model keeps the eager one"),

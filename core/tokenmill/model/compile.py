@@ -86,8 +86,8 @@ class Compiler:
         self.stages = stages
         self.state: Forward = "eager"
         self.from_cache: bool | None = None
-        """Whether the background compile found its graph in inductor's and AOTAutograd's caches (a restart
-        on a machine that compiled this checkpoint with these settings before), once it is built."""
+        """Whether the background build loaded the forward an earlier start on this machine saved (or, for a
+        runner that saves none, found its graph in AOTAutograd's cache), once it is built."""
         reason = compile_unavailable_reason(config, loaded, runner) if config.compile_model else "--no-compile-model"
         self.in_background = reason is None and hasattr(runner, "build_compiled_forward") \
             and not config.compile_before_ready
@@ -116,20 +116,23 @@ class Compiler:
             self.thread.start()
 
     def _build(self) -> None:
-        yield_to_engine()
+        saved = getattr(self.runner, "compiled_forward_saved", lambda: False)()
+        if not saved:  # a compile; loading a saved forward takes seconds, and under a burst it would take minutes
+            yield_to_engine()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
         hits = compile_cache_hits()
+        detail = ("loading the one an earlier start saved" if saved else "torch.compile") \
+            + ", in the background: steps ran eagerly until it was built"
         try:
-            self.stages.run(self.STAGE, self.runner.build_compiled_forward,
-                            detail="torch.compile, in the background: steps ran eagerly until it was built")
+            loaded = self.stages.run(self.STAGE, self.runner.build_compiled_forward, detail=detail)
         except Exception as error:  # noqa: BLE001 - the eager forward keeps serving
             log.warning("the forward stays eager: %s", error)
             self.state = "eager"
             return
         finally:
             sys.setswitchinterval(switch_interval)
-        self.from_cache = compile_cache_hits() > hits
+        self.from_cache = loaded if isinstance(loaded, bool) else compile_cache_hits() > hits
         self.state = "compiled"
         freeze_heap()  # what tracing left behind (graphs, fake tensors) is collected, goes back to the OS with
         trim_heap()    # the heap's trim, and what the compile keeps is frozen

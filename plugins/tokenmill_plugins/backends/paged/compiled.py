@@ -1,7 +1,8 @@
 """The paged forward through ``torch.compile`` (inductor, CPU), and building it off the engine thread.
 
 A compile takes tens of seconds, even with inductor's caches warm (dynamo traces the model again
-in every process). Built in the engine's first steps, it holds ``/health`` back that long; built
+in every process); loading one an earlier start saved (:mod:`.saved_forward`) takes a few. Built in
+the engine's first steps, it holds ``/health`` back that long; built
 by :meth:`CompiledForward.build` in another thread, on made-up steps over a scratch KV block of
 its own, it lets the server answer at once with the eager forward and take the compiled one
 when it is ready. Dynamo's frame hook is per thread, so the engine's eager steps never trace.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.interfaces import AttentionKernel, BlockPool, PagedStep
 from tokenmill.model.cpu_linears import has_packed_linears
+from tokenmill_plugins.backends.paged import saved_forward
 from tokenmill_plugins.backends.paged.attention import current_step
 
 BUILD_STEPS = ((8, 1), (1, 1), (3, 3))
@@ -25,36 +28,73 @@ BUILD_STEPS = ((8, 1), (1, 1), (3, 3))
 decode and a decode verifying a draft of two."""
 
 
-class CompiledForward:
-    """The model's forward compiled for every step size: the token count is left symbolic."""
+def logits_of(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """What a forward compiled ahead of time runs: the model, given as an input, so that its weights are
+    the graph's inputs too."""
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
 
-    def __init__(self, model: Any) -> None:
-        self.compiled = torch.compile(model, dynamic=True, fullgraph=True)
+
+class CompiledForward:
+    """The model's forward compiled for every step size: the token count is left symbolic.
+
+    Where tokenmill packed the model's linear layers, the weights are the graph's inputs, and the forward is
+    compiled ahead of time (``torch.compile``'s ``aot_compile``) at its first call, or loaded from
+    ``saved_at`` where an earlier start saved it (then in seconds), and saved there once compiled. Otherwise
+    inductor freezes the weights in as constants (and packs them itself): such a graph is compiled at its
+    first call by every start."""
+
+    def __init__(self, model: Any, saved_at: Path | None = None) -> None:
+        self.model = model
         self.freezing = not has_packed_linears(model)
-        """Weights as constants, so that inductor packs them for oneDNN itself; not where tokenmill packed them
-        (their weights are then the graph's inputs, and the compile is kept in inductor's caches)."""
+        self.saved_at = None if self.freezing else saved_at
+        self.compiled = torch.compile(model, dynamic=True, fullgraph=True) if self.freezing else None
+        self.ahead: Any = None
+        """The forward compiled ahead of time (or loaded), once the first call made it; None while freezing."""
+        self.loaded = False
+        """Whether :attr:`ahead` came from the file an earlier start saved."""
         self.ran = False
         """Whether a call went through, the compile with it: later calls skip dynamo's guards."""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep, keep: torch.Tensor) -> Any:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
+                 keep: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows ``keep`` names, ``[1, rows, vocabulary]``."""
         for tensor, dim in ((input_ids, 1), (positions, 1), (keep, 0)):
             # Unbacked: sizes of 1 (one decode row, one kept logit) share the graph instead of their own.
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
         token = current_step.set(step)
         try:
-            # Freezing set per call, not through compile options: the compile happens inside the first call.
-            # Once compiled, the guards are not evaluated again: every step has the same kinds of inputs (token
-            # ids, positions and kept rows of any length, the model unchanged), and checking the model's guards
-            # cost 1.4 ms a step, 9 % of a bf16 decode step of one sequence.
             # Python floats (the attention scale, norms' epsilon) as constants: traced as symbols, they made
             # dynamo start its analysis over, 16 s of a 56 s compile.
-            with torch._inductor.config.patch(freezing=self.freezing), \
-                    torch._dynamo.config.patch(specialize_float=True), self._guard_stance(), self._collections_held():
-                out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+            with torch._dynamo.config.patch(specialize_float=True):
+                logits = self._frozen(input_ids, positions, keep) if self.freezing \
+                    else self._ahead_of_time(input_ids, positions, keep)
         finally:
             current_step.reset(token)
         self.ran = True
-        return out
+        return logits
+
+    def _ahead_of_time(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if self.ahead is None:
+            self.ahead = saved_forward.load(self.saved_at) if self.saved_at is not None else None
+            self.loaded = self.ahead is not None
+        if self.ahead is None:
+            # No guards: every step has the same kinds of inputs (token ids, positions and kept rows of any
+            # length, the model unchanged), and a saved graph could not keep guards on transformers' objects.
+            compile_ahead = torch.compile(logits_of, dynamic=True, fullgraph=True,
+                                          options={"guard_filter_fn": lambda guards: [False] * len(guards)})
+            self.ahead = compile_ahead.aot_compile(((self.model, input_ids, positions, keep), {}))
+            self.ahead.disable_guard_check()
+            if self.saved_at is not None:
+                saved_forward.save(self.ahead, self.saved_at)
+        return self.ahead(self.model, input_ids, positions, keep)
+
+    def _frozen(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        # Freezing set per call, not through compile options: the compile happens inside the first call.
+        # Once compiled, the guards are not evaluated again (as in :meth:`_ahead_of_time`): checking the
+        # model's guards cost 1.4 ms a step, 9 % of a bf16 decode step of one sequence.
+        with torch._inductor.config.patch(freezing=True), self._guard_stance(), self._collections_held():
+            out = self.compiled(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        return out.logits
 
     def _guard_stance(self) -> Any:
         """Skip guard evaluation once compiled (``torch.compiler.set_stance``, torch 2.6 and later)."""

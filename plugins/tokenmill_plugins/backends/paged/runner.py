@@ -29,6 +29,7 @@ from tokenmill.model.lora import adapter_rows, lora_batch
 from tokenmill.model.offload import WeightFile
 from tokenmill.model.vision import encode_sequences, place_rotary
 from tokenmill_plugins.backends.paged.compiled import CompiledForward
+from tokenmill_plugins.backends.paged.saved_forward import saved_forward_path
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,19 @@ class PagedRunner(BackendRunner):
     def compile_forward(self) -> None:
         """Run later steps through ``torch.compile`` (inductor): one graph for every step size, since
         the token count is left symbolic; the first step pays the compile (tens of seconds)."""
-        self.compiled = CompiledForward(self.model)
+        self.compiled = CompiledForward(self.model, saved_forward_path(self.model))
 
-    def build_compiled_forward(self) -> None:
-        """Compile the forward now, from a thread other than the engine's, on made-up steps of its own;
-        steps run eagerly until it is built, and through it from then on. Raises if the compile fails
-        (the forward then stays eager) when each of :data:`BUILD_ATTEMPTS` failed."""
+    def compiled_forward_saved(self) -> bool:
+        """Whether an earlier start on this machine saved the compiled forward of this model and settings."""
+        return saved_forward_path(self.model).is_file()
+
+    def build_compiled_forward(self) -> bool:
+        """Compile the forward now (or load the one an earlier start saved), from a thread other than the
+        engine's, on made-up steps of its own; steps run eagerly until it is built, and through it from then
+        on. Returns whether it was loaded. Raises if the compile fails (the forward then stays eager) when
+        each of :data:`BUILD_ATTEMPTS` failed."""
         for attempt in range(1, BUILD_ATTEMPTS + 1):
-            forward = CompiledForward(self.model)
+            forward = CompiledForward(self.model, saved_forward_path(self.model))
             try:
                 forward.build(self.kv_pool, self.kernel, self.device)
             except Exception as error:  # noqa: BLE001 - tried again, then raised
@@ -88,7 +94,8 @@ class PagedRunner(BackendRunner):
                 log.warning("building the compiled forward failed (%s: %s); trying again", type(error).__name__, error)
                 continue
             self.compiled = forward
-            return
+            return forward.loaded
+        return False
 
     def prefix_caching_unavailable_reason(self) -> str | None:
         """Why :meth:`enable_prefix_caching` cannot run with this KV pool, or None."""
@@ -215,20 +222,19 @@ class PagedRunner(BackendRunner):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
                  keep: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         keep = keep.to(self.device)
-        out = None
-        if embeds is not None:  # image embeddings: the eager forward, which takes them in place of token ids
-            out = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=keep,
-                             paged_step=step)
-        elif self.compiled is not None and positions.dim() == 2:  # three axes only where images are
-            out = self._compiled_forward(input_ids, positions, step, keep)
-        if out is None:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
-                             paged_step=step)
+        # Image embeddings go through the eager forward, which takes them in place of token ids; positions of
+        # three axes (only where images are) too.
+        if embeds is None and self.compiled is not None and positions.dim() == 2:
+            logits = self._compiled_forward(input_ids, positions, step, keep)
+            if logits is not None:
+                return logits[0].float().cpu()
+        inputs = {"input_ids": input_ids} if embeds is None else {"inputs_embeds": embeds}
+        out = self.model(**inputs, position_ids=positions, use_cache=False, logits_to_keep=keep, paged_step=step)
         return out.logits[0].float().cpu()
 
     def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep,
-                          keep: torch.Tensor) -> Any:
-        """The model's output through the compiled forward; None when its first call (the compile) failed,
+                          keep: torch.Tensor) -> torch.Tensor | None:
+        """The logits through the compiled forward; None when its first call (the compile) failed,
         which leaves the runner eager from then on."""
         forward = self.compiled
         try:
