@@ -155,12 +155,13 @@ def _c_library() -> Any:
 _libc: Any = None
 
 
-def freeze_heap() -> int:
-    """Collect, then move every Python object alive now out of the garbage collector's sight (``gc.freeze``):
-    call once the start (or the background compile) has built what lives as long as the server. The
-    model, the tokenizer and a compile leave hundreds of thousands of objects, and each full collection
-    walked them all, with every thread waiting (0.4 to 0.8 s on SmolLM2 while serving); later ones walk
-    only what serving made. Returns how many objects are frozen."""
-    gc.collect()
+def freeze_heap(collect: bool = True) -> int:
+    """Collect (unless ``collect`` is False), then move every Python object alive now out of the garbage
+    collector's sight (``gc.freeze``): call once the start (or the background compile) has built what lives
+    as long as the server. The model, the tokenizer and a compile leave hundreds of thousands of objects, and
+    each full collection walked them all, with every thread waiting (0.4 to 0.8 s on SmolLM2 while serving);
+    later ones walk only what serving made. Returns how many objects are frozen."""
+    if collect:
+        gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
