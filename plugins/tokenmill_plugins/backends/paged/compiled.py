@@ -46,6 +46,8 @@ class CompiledForward:
     def __init__(self, model: Any, saved_at: Path | None = None) -> None:
         self.model = model
         self.freezing = not has_packed_linears(model)
+        """Weights as the graph's constants, so that inductor packs them for oneDNN itself: where tokenmill
+        did not pack them. Such a graph cannot be saved."""
         self.saved_at = None if self.freezing else saved_at
         self.compiled = torch.compile(model, dynamic=True, fullgraph=True) if self.freezing else None
         self.ahead: Any = None
