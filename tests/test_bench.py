@@ -454,8 +454,9 @@ def coldstart_run(vllm_peak: float | None) -> dict:
 
 def test_coldstart_goals_say_met_not_met_or_not_measured() -> None:
     met = {g["goal"]: g["met"] for g in coldstart_run(vllm_peak=3500.0)["goals"]}
-    # RSS at rest 1600 MiB is not under 1.5 GiB; the burst at ready ran at 85 % of the compiled rate, not 90
-    assert list(met.values()) == [True, True, False, True, False]
+    # RSS at rest 1600 MiB is not under 1.5 GiB; compiled 9 s after launch; the burst at ready ran at 85 % of the
+    # compiled rate, not 90
+    assert list(met.values()) == [True, True, False, True, True, False]
     assert coldstart_run(vllm_peak=1900.0)["goals"][3]["met"] is False
     assert coldstart_run(vllm_peak=None)["goals"][3]["met"] is None
 
