@@ -28,7 +28,8 @@ def test_freezing_the_heap_collects_garbage_first_then_hides_what_is_alive_from_
     try:
         frozen = kv_memory.freeze_heap()
         assert gone() is None
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects that another thread (an earlier test's server) lets go of leave the count meanwhile.
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(tracked is alive for tracked in gc.get_objects())
     finally:
         gc.unfreeze()
