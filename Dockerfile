@@ -153,7 +153,8 @@ USER 1000:1000
 # Build the native kernels now, as the user that runs the server, so that their build cache is
 # writable at start; prints the reason if one could not be built (the server then uses plain PyTorch).
 RUN python -c "from tokenmill.kernels import native as n; r = n.native_unavailable_reason(); print(r or 'native CPU decode kernel built')" \
- && python -c "from tokenmill.kernels import native as n; r = n.prefill_unavailable_reason(); print(r or 'native CPU bf16 prefill kernel built')"
+ && python -c "from tokenmill.kernels import native as n; r = n.prefill_unavailable_reason(); print(r or 'native CPU bf16 prefill kernel built')" \
+ && python -c "from tokenmill.kernels import native as n; r = n.linear_unavailable_reason(); print(r or 'native CPU bf16 linear kernel built')"
 
 WORKDIR /data
 VOLUME /data

@@ -33,7 +33,7 @@ def test_wheel_installs_in_a_fresh_venv_with_its_builtin_plugins(tmp_path):
     assert str(tmp_path / "venv") in where, "the wheel's tokenmill is the one imported"
     source_of_kernels = run(python, "-c", "from tokenmill.kernels import native; "
                             "print(sorted(path.name for path in native.SOURCES.glob('*.cpp')))", cwd=tmp_path)
-    assert source_of_kernels.strip() == "['paged_decode.cpp', 'paged_prefill.cpp']", \
+    assert source_of_kernels.strip() == "['cpu_linear.cpp', 'paged_decode.cpp', 'paged_prefill.cpp']", \
         "the native kernels' C++ source ships in the wheel"
     listing = run(str(tmp_path / "venv" / "bin" / "tokenmill"), "plugins", cwd=tmp_path)
     for name in ("transformers", "sdpa", "eager", "fifo", "dynamic"):

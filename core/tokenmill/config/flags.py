@@ -167,9 +167,10 @@ _HELP = {
                        "of bfloat16 (CUDA, paged backend with sdpa attention; refused elsewhere, with the reason)"),
     "kv_memory_fraction": ("CPU: share of the RAM available after loading that the KV pool may take when "
                            "--max-batch-total-tokens is unset"),
-    "prepack_weights": ("CPU, float32 and bfloat16: hold linear weights in oneDNN's packed layout (faster "
-                        "matmuls, and a compiled forward saved for the next start to load; --no-prepack-weights "
-                        "keeps plain nn.Linear)"),
+    "prepack_weights": ("CPU, float32 and bfloat16: hold linear weights packed once, for oneDNN or (bfloat16 "
+                        "where the CPU has AVX512-BF16) for tokenmill's own matmul kernel (faster matmuls, and a "
+                        "compiled forward saved for the next start to load; --no-prepack-weights keeps plain "
+                        "nn.Linear)"),
     "compile_model": ("CPU, paged backend: run the forward through torch.compile (inductor). It is built in the "
                       "background (tens of seconds; /info's forward says when it is in) while the server already "
                       "serves with the eager forward; --no-compile-model keeps the eager one"),

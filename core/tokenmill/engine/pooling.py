@@ -23,7 +23,8 @@ import torch
 
 from tokenmill.config import Config
 from tokenmill.engine.timing import StepTiming
-from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
+from tokenmill.kernels import native as native_kernels
+from tokenmill.model.cpu_linears import pack_linears, packed_layout, packing_unavailable_reason
 from tokenmill.model.loading import Stages
 from tokenmill.model.pooling import PoolingModel, load_pooling_model
 
@@ -172,9 +173,12 @@ def start_pooling_engine(config: Config, stages: Stages, hub_cache: str | None) 
     and warm it up; the engine is returned ready but not started."""
     model = load_pooling_model(config.model_id, config.revision, config.dtype, config.task,
                                config.trust_remote_code, stages, hub_cache)
+    if config.disable_custom_kernels:
+        native_kernels.turn_off("--disable-custom-kernels")
     if config.prepack_weights and packing_unavailable_reason(model.loaded.model) is None:
-        packed = stages.run("packing weights", lambda: pack_linears(model.loaded.model), detail="oneDNN layout for CPU")
-        log.info("packed %d linear layers for oneDNN", packed)
+        packed = stages.run("packing weights", lambda: pack_linears(model.loaded.model),
+                            detail=packed_layout(model.loaded.model))
+        log.info("packed %d linear layers", packed)
     context = getattr(model.loaded.model.config, "max_position_embeddings", None)
     settled = replace(config, task=model.task).with_limits(context, on_cpu=model.loaded.device.type == "cpu")
     settled = replace(settled, max_batch_prefill_tokens=config.max_batch_prefill_tokens or POOLING_BATCH_TOKENS)

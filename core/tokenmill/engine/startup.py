@@ -23,7 +23,7 @@ from tokenmill.kernels import native as native_kernels
 from tokenmill.model import kv_memory, sharding
 from tokenmill.model.adapters import AdapterCache, load_adapters
 from tokenmill.model.compile import Compiler, use_compile_cache_dir
-from tokenmill.model.cpu_linears import pack_linears, packing_unavailable_reason
+from tokenmill.model.cpu_linears import pack_linears, packed_layout, packing_unavailable_reason
 from tokenmill.model.dtypes import checkpoint_choice
 from tokenmill.model.loading import (
     LoadedModel,
@@ -91,8 +91,9 @@ def start_engine(config: Config, pm: pluggy.PluginManager, stages: Stages,
     if on_chosen:
         on_chosen(chosen)
     if config.prepack_weights and packing_unavailable_reason(loaded.model) is None:
-        packed = stages.run("packing weights", lambda: pack_linears(loaded.model), detail="oneDNN layout for CPU")
-        log.info("packed %d linear layers for oneDNN", packed)
+        packed = stages.run("packing weights", lambda: pack_linears(loaded.model),
+                            detail=packed_layout(loaded.model))
+        log.info("packed %d linear layers", packed)
     adapters = load_adapters(config, loaded, stages) if config.lora_enabled else None
     model_config = loaded.model.config
     context = getattr(model_config, "max_position_embeddings", None)

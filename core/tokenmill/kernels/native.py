@@ -1,7 +1,8 @@
 """tokenmill's own C++ kernels for CPU, compiled on first use with torch's extension builder:
 ``paged_decode`` (decode rows, any dtype; and ``store_kv``, a step's keys and values into the pool) and
-``paged_prefill`` (bfloat16 prompt chunks, where the CPU has AVX512-BF16). Each source is its own
-extension, built when first asked for.
+``paged_prefill`` (bfloat16 prompt chunks) and ``cpu_linear`` (bfloat16 linear layers over weights
+blocked for it), both where the CPU has AVX512-BF16. Each source is its own extension, built when
+first asked for.
 
 The source ships in the package (``csrc/``); the build lands in tokenmill's cache
 (``TOKENMILL_CACHE_DIR``: ``kernels/torch-VERSION/NAME``, a volume in a container; or in
@@ -33,6 +34,8 @@ from tokenmill.model.loading import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
+BF16_ONLY = ("paged_prefill", "cpu_linear")
+"""Kernels that exist only for AVX512-BF16: without it they are not built at all."""
 _turned_off: str | None = None
 
 
@@ -81,12 +84,12 @@ def _load(kernel: str = "paged_decode") -> tuple[Any, str | None]:
                 return load(name, [str(SOURCES / f"{kernel}.cpp")], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                             verbose=False, build_directory=str(directory))
 
-        if kernel == "paged_prefill" and not _compiler_flags(bf16=True, kernel=kernel)[0].endswith("_bf16"):
+        if kernel in BF16_ONLY and not _compiler_flags(bf16=True, kernel=kernel)[0].endswith("_bf16"):
             return None, "this CPU has no AVX512-BF16"
         try:
             return build(bf16=True), None
         except Exception:
-            if kernel == "paged_prefill" or _compiler_flags(bf16=True) == _compiler_flags(bf16=False):
+            if kernel in BF16_ONLY or _compiler_flags(bf16=True) == _compiler_flags(bf16=False):
                 raise
             # A compiler without AVX512-BF16 (GCC before 10) still builds every other path.
             log.warning("building the native kernels with AVX512-BF16 failed; building them without it")
@@ -159,6 +162,35 @@ def prefill_unavailable_reason() -> str | None:
         _warn_once("tokenmill's bfloat16 prefill kernel is unavailable (%s); prompt chunks in bfloat16 use SDPA",
                    reason)
     return reason
+
+
+def linear_unavailable_reason() -> str | None:
+    """None when the bfloat16 linear kernel is built and loaded (building it now if needed); else why not:
+    bfloat16 linear layers are then packed for oneDNN instead."""
+    if _turned_off:
+        return f"turned off by {_turned_off}"
+    module, reason = _load("cpu_linear")
+    if module is not None and not module.bf16_linear_built():
+        reason = "the compiler built it without AVX512-BF16"
+    return reason
+
+
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
+                   float_output: bool = False) -> torch.Tensor:
+    """``x`` (``[rows, in_features]``, contiguous bfloat16) times the weight that :func:`block_weight` laid
+    out; returns ``[rows, out_features]``, bfloat16, or float32 with ``float_output``.
+    Call only when :func:`linear_unavailable_reason` is None."""
+    module = _built("cpu_linear", "the native linear kernel is unavailable")
+    return module.blocked_linear(x, blocked, out_features, float_output)
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's ``[out_features, in_features]`` bfloat16 weight laid out for :func:`blocked_linear`:
+    ``[out/16, in/2, 16, 2]``, zero-padded to whole blocks and pairs."""
+    rows, columns = weight.shape
+    padded = weight.new_zeros((-(-rows // 16) * 16, -(-columns // 2) * 2))
+    padded[:rows, :columns] = weight
+    return padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,

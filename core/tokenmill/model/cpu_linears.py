@@ -10,10 +10,16 @@ decode step at batch 1 goes from 67 to 46 ms (``python -m bench latency``, with 
 at 32, against 64 and 182 unpacked (``python -m bench.latency --no-compile-model --dtype bfloat16``).
 (Packing bfloat16 with ``to_mkldnn()``, which keeps the plain layout, had made it slower.)
 
-A compiled forward calls every packed layer as one opaque operator, ``tokenmill::packed_linear``, whose
-weight is an input of the graph rather than a constant: so the graph is compiled without freezing, and
-inductor's and AOTAutograd's caches keep it (a frozen graph's packed constants cannot be saved), which
-makes the compile at a restart take ~10 s instead of ~60.
+Where the CPU has AVX512-BF16 and tokenmill's native kernels build, bfloat16 weights are laid out instead
+for tokenmill's own kernel (``kernels/csrc/cpu_linear.cpp``): blocks of 16 output features whose input
+pairs feed ``vdpbf16ps`` directly. On SmolLM2's shapes on 2 cores, the matmuls of a whole decode step take
+12 ms against oneDNN's 20 at one row, 17 against 30 at 8, 118 against 130 at 64, the same at 256 rows, and
+3–6 % more at 1,024 (bench/RESULTS.md, "Issue 44, sixth part").
+
+A compiled forward calls every packed layer as one opaque operator, ``tokenmill::packed_linear`` (or
+``tokenmill::blocked_linear``), whose weight is an input of the graph rather than a constant: so the graph is
+compiled without freezing, and inductor's and AOTAutograd's caches keep it (a frozen graph's packed constants
+cannot be saved), which makes the compile at a restart take ~10 s instead of ~60.
 
 A packed layer keeps no dense ``weight``: code that needs the weights themselves (a
 quantizer, sharding, adapters) runs before packing, or with ``--no-prepack-weights``.
@@ -26,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tokenmill.kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +55,77 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -
     return x.new_empty((*x.shape[:-1], packed_weight.size(0)))
 
 
-class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward, on a weight held in oneDNN's layout."""
+_LIBRARY.define("blocked_linear(Tensor x, Tensor blocked_weight, Tensor? bias, int out_features, "
+                "bool float_output) -> Tensor")
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+def _blocked_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                    float_output: bool) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = native.blocked_linear(rows, blocked_weight, out_features, float_output)
+    out = out.view(*x.shape[:-1], out_features)
+    return out.add_(bias) if bias is not None else out
+
+
+_LIBRARY.impl("blocked_linear", _blocked_linear, "CPU")
+
+
+@torch.library.register_fake("tokenmill::blocked_linear")
+def _(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+      float_output: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32 if float_output else x.dtype)
+
+
+def blocks_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is laid out for tokenmill's bfloat16 kernel rather than packed for oneDNN."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and native.linear_unavailable_reason() is None
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward, on a weight held in oneDNN's layout or blocked for tokenmill's bfloat16 kernel.
+    ``logits``: the layer is the LM head, whose outputs the blocked kernel then gives in float32 (bfloat16
+    rounds the top logits, ~25 apart by 0.125, to ties more often than it keeps their order)."""
+
+    def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        packed = weight.to_mkldnn() if weight.dtype == torch.float32 else \
-            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.blocked = blocks_bfloat16(weight)
+        self.float_output = self.blocked and logits
+        if self.blocked:
+            packed = native.block_weight(weight)
+        elif weight.dtype == torch.float32:
+            packed = weight.to_mkldnn()
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:
+            if torch.compiler.is_compiling():
+                return torch.ops.tokenmill.blocked_linear(x, self.packed_weight, self.bias, self.out_features,
+                                                          self.float_output)
+            return _blocked_linear(x, self.packed_weight, self.bias, self.out_features, self.float_output)
         if torch.compiler.is_compiling():
             return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias)
         return _packed_linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        layout = "blocked for tokenmill's bfloat16 kernel" if self.blocked else "oneDNN"
+        logits = ", float32 outputs" if self.float_output else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"layout={layout}{logits}")
+
+
+def packed_layout(model: nn.Module) -> str:
+    """How :func:`pack_linears` lays out ``model``'s weights, in words (the load stage's detail)."""
+    parameter = next(model.parameters())
+    if parameter.dtype == torch.bfloat16 and native.linear_unavailable_reason() is None:
+        return "blocked for tokenmill's bfloat16 kernel"
+    return "oneDNN layout for CPU"
 
 
 def has_packed_linears(model: nn.Module) -> bool:
@@ -108,8 +166,9 @@ def pack_linears(model: nn.Module) -> int:
     returns how many were replaced. A weight shared with another module (a tied LM head)
     is copied into the packed layout and stays in place for the other module."""
     targets = [(name, module) for name, module in model.named_modules() if packable(module)]
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear))
+        setattr(parent, child, PackedLinear(linear, logits=linear is output_embeddings))
     return len(targets)
