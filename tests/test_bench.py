@@ -338,6 +338,21 @@ def test_the_prefill_attention_benchmark_steps_are_prompt_chunks_over_their_own_
     assert prefill_attention.causal_gflop([(2, 2)], heads=1, head_dim=1) == 4 * 3 / 1e9
 
 
+def test_the_linears_benchmark_times_both_kernels_over_every_layer_of_the_model(capsys) -> None:
+    from tokenmill.kernels import native
+
+    if native.linear_unavailable_reason() is not None:
+        pytest.skip(f"no bfloat16 linear kernel: {native.linear_unavailable_reason()}")
+    from bench import linears
+
+    assert linears.model_shapes(None, layers=1) == [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576),
+                                                    (1536, 576), (576, 1536), (49152, 576)]
+    linears.main(["--layers", "1", "--rows", "1", "7", "--rounds", "1"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| 1", "| 7"]
+    assert all(line.count("×") == 1 for line in table[2:])
+
+
 def test_the_attention_call_benchmark_times_the_backends_call(capsys) -> None:
     import sys
 

@@ -12,9 +12,10 @@ at 32, against 64 and 182 unpacked (``python -m bench.latency --no-compile-model
 
 Where the CPU has AVX512-BF16 and tokenmill's native kernels build, bfloat16 weights are laid out instead
 for tokenmill's own kernel (``kernels/csrc/cpu_linear.cpp``): blocks of 16 output features whose input
-pairs feed ``vdpbf16ps`` directly. On SmolLM2's shapes on 2 cores, the matmuls of a whole decode step take
-12 ms against oneDNN's 20 at one row, 17 against 30 at 8, 118 against 130 at 64, the same at 256 rows, and
-3–6 % more at 1,024 (bench/RESULTS.md, "Issue 44, sixth part").
+pairs feed ``vdpbf16ps`` directly. Over SmolLM2's 211 layers on 2 cores (``python -m bench.linears``), the
+matmuls of a whole forward take 12.8 ms against oneDNN's 23.3 at one row (21 GB/s of weights read against
+12), 17.8 against 32.3 at 8, 117 against 129 at 64, and the same within noise at 256 and 1,024 rows
+(bench/RESULTS.md, "Issue 44, sixth part").
 
 A compiled forward calls every packed layer as one opaque operator, ``tokenmill::packed_linear`` (or
 ``tokenmill::blocked_linear``), whose weight is an input of the graph rather than a constant: so the graph is

@@ -6,8 +6,8 @@
 // both products to 16 outputs at once in float32, with no horizontal sums. A task is up to 4 blocks
 // (64 outputs) × up to 6 rows of x: 24 float32 accumulators held in registers over the whole K.
 //
-// At one row, a decode step at batch 1 reads each weight once and streams it at close to the machine's
-// memory rate; oneDNN's packed kernel reached about 60 % of it on SmolLM2's shapes (bench/RESULTS.md).
+// A decode step of one sequence reads each weight once: on 2 cores this streams SmolLM2's weights at ~21 GB/s,
+// where oneDNN's packed kernel read ~12 (python -m bench.linears; bench/RESULTS.md).
 // Threads split the output blocks evenly, each reading its own part of the weight.
 //
 // x [M, K] contiguous bfloat16; blocked [N/16, K/2, 16, 2] bfloat16; returns [M, N], bfloat16 or (for an LM
