@@ -84,8 +84,8 @@ def blocks_bfloat16(weight: torch.Tensor) -> bool:
 
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward, on a weight held in oneDNN's layout or blocked for tokenmill's bfloat16 kernel.
-    ``logits``: the layer is the LM head, whose outputs the blocked kernel then gives in float32 (bfloat16
-    rounds the top logits, ~25 apart by 0.125, to ties more often than it keeps their order)."""
+    ``logits``: the layer is the LM head, whose outputs the blocked kernel then gives in float32: bfloat16
+    rounds logits near 25 to steps of 0.125, and two close candidates to a tie that greedy breaks by id."""
 
     def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
         super().__init__()
