@@ -150,14 +150,21 @@ def _built(kernel: str, unavailable: str) -> Any:
     return module
 
 
+def _bf16_kernel_unavailable(kernel: str, built: str) -> str | None:
+    """None when the AVX512-BF16 kernel ``kernel`` is built and loaded (building it now if needed) and its
+    ``built`` probe says the build has its vector path; else why not."""
+    if _turned_off:
+        return f"turned off by {_turned_off}"
+    module, reason = _load(kernel)
+    if module is not None and not getattr(module, built)():
+        reason = "the compiler built it without AVX512-BF16"
+    return reason
+
+
 def prefill_unavailable_reason() -> str | None:
     """None when the bfloat16 prefill kernel is built and loaded (building it now if needed); else why not,
     logged once: bfloat16 prompt chunks then go through SDPA."""
-    if _turned_off:
-        return f"turned off by {_turned_off}"
-    module, reason = _load("paged_prefill")
-    if module is not None and not module.bf16_prefill_built():
-        reason = "the compiler built it without AVX512-BF16"
+    reason = _bf16_kernel_unavailable("paged_prefill", "bf16_prefill_built")
     if reason:
         _warn_once("tokenmill's bfloat16 prefill kernel is unavailable (%s); prompt chunks in bfloat16 use SDPA",
                    reason)
@@ -165,13 +172,12 @@ def prefill_unavailable_reason() -> str | None:
 
 
 def linear_unavailable_reason() -> str | None:
-    """None when the bfloat16 linear kernel is built and loaded (building it now if needed); else why not:
-    bfloat16 linear layers are then packed for oneDNN instead."""
-    if _turned_off:
-        return f"turned off by {_turned_off}"
-    module, reason = _load("cpu_linear")
-    if module is not None and not module.bf16_linear_built():
-        reason = "the compiler built it without AVX512-BF16"
+    """None when the bfloat16 linear kernel is built and loaded (building it now if needed); else why not,
+    logged once: bfloat16 linear layers are then packed for oneDNN instead."""
+    reason = _bf16_kernel_unavailable("cpu_linear", "bf16_linear_built")
+    if reason:
+        _warn_once("tokenmill's bfloat16 linear kernel is unavailable (%s); bfloat16 weights are packed for oneDNN",
+                   reason)
     return reason
 
 

@@ -123,8 +123,7 @@ class PackedLinear(nn.Module):
 
 def packed_layout(model: nn.Module) -> str:
     """How :func:`pack_linears` lays out ``model``'s weights, in words (the load stage's detail)."""
-    parameter = next(model.parameters())
-    if parameter.dtype == torch.bfloat16 and native.linear_unavailable_reason() is None:
+    if blocks_bfloat16(next(model.parameters())):
         return "blocked for tokenmill's bfloat16 kernel"
     return "oneDNN layout for CPU"
 
