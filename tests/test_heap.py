@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tokenmill.model import kv_memory
+from tokenmill.model import collector, kv_memory
 
 
 class Node:
@@ -34,6 +35,84 @@ def test_freezing_the_heap_collects_garbage_first_then_hides_what_is_alive_from_
     finally:
         gc.unfreeze()
     assert any(tracked is alive for tracked in gc.get_objects())
+
+
+
+def full_collections_held() -> bool:
+    return gc.get_threshold()[2] == collector.HELD_THRESHOLD
+
+
+@pytest.fixture
+def held_full_collections() -> Iterator[None]:
+    collector.hold_full_collections()
+    try:
+        yield
+    finally:
+        collector.release_full_collections()
+        gc.unfreeze()
+
+
+def test_full_collections_are_held_back_then_released_to_the_thresholds_they_had() -> None:
+    before = gc.get_threshold()
+    collector.hold_full_collections()
+    collector.hold_full_collections()  # twice: still released to the first thresholds
+    try:
+        assert full_collections_held() and gc.get_threshold()[:2] == before[:2] and gc.isenabled()
+    finally:
+        collector.release_full_collections()
+    assert gc.get_threshold() == before
+    collector.release_full_collections()  # not held: nothing changes
+    assert gc.get_threshold() == before
+
+
+def test_young_collections_go_on_freeing_garbage_while_full_ones_are_held(held_full_collections: None) -> None:
+    garbage_a, garbage_b = Node(), Node()
+    garbage_a.other, garbage_b.other = garbage_b, garbage_a
+    gone = weakref.ref(garbage_a)
+    del garbage_a, garbage_b
+    made = [[] for _ in range(20_000)]  # CPython collects the young generation every 700 tracked objects made
+    assert gone() is None
+    del made
+
+
+def test_ending_a_start_freezes_what_it_built_and_releases_full_collections(held_full_collections: None) -> None:
+    alive = Node()
+    assert kv_memory.freeze_start_heap() > 0
+    assert not full_collections_held()
+    assert not any(tracked is alive for tracked in gc.get_objects())
+
+
+LAUNCH_REPORTING_THE_COLLECTOR = """
+import gc
+import tokenmill.cli.launch
+from tokenmill.model import collector
+from tokenmill.cli import main
+
+tokenmill.cli.launch.launch = lambda argv: print(gc.get_threshold()[2] == collector.HELD_THRESHOLD) or 0
+main(["launch"])
+"""
+
+
+def test_a_launch_holds_full_collections_back_from_its_first_line() -> None:
+    done = subprocess.run([sys.executable, "-c", LAUNCH_REPORTING_THE_COLLECTOR], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize(("flags", "worker_holds_them"), [
+    ([], True),  # until its model's start ends (ServerState's load)
+    (["--model-id", "a=/models/a", "--model-id", "b=/models/b"], False),  # a router loads models later
+])
+def test_gunicorn_master_releases_full_collections_before_forking_and_a_model_worker_holds_them_again(
+        flags: list[str], worker_holds_them: bool, held_full_collections: None) -> None:
+    from tokenmill.config import parse_config
+    from tokenmill.http.serve import gunicorn_options
+
+    options = gunicorn_options(parse_config(flags))
+    options["pre_fork"](None, None)
+    assert not full_collections_held()
+    options["post_fork"](None, None)
+    assert full_collections_held() == worker_holds_them
 
 
 MATMULS_OF_MANY_SIZES = """

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill import __version__
+from tokenmill.model import collector
 
 __all__ = ["USAGE", "main"]
 
@@ -31,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "launch":
+        collector.hold_full_collections()  # before the imports: 0.85 s of full collections, on SmolLM2's start
         from tokenmill.cli.launch import launch
 
         return launch(rest)

@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from tokenmill.config import Config, ConfigError, parse_config
+from tokenmill.model import collector
 from tokenmill.model.loading import ModelLoadError, check_source, checkpoint_config
 from tokenmill.model.sharding import ShardingError
 from tokenmill.observability.logs import setup_logging
@@ -94,6 +95,8 @@ def launch(argv: Sequence[str]) -> int:
         except ConfigError as error:
             print(f"tokenmill: error: {error}", file=sys.stderr)
             return 2
+    if rank > 0 or config.serves_several():
+        collector.release_full_collections()  # only a server of one model ends its start (freeze_start_heap)
     if rank > 0:
         return launch_rank(rank, config)
     try:

@@ -33,6 +33,7 @@ from uvicorn_worker import UvicornWorker
 from tokenmill.config import Config, parse_config
 from tokenmill.http.app import ServerState, create_app
 from tokenmill.http.connections import connection_settings
+from tokenmill.model import collector, kv_memory
 from tokenmill.observability.logs import gunicorn_logconfig
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,23 @@ def gunicorn_options(config: Config) -> dict[str, Any]:
         "loglevel": "info",
         "logconfig_dict": gunicorn_logconfig(config.json_output),
         "when_ready": forward_second_sigterm,
+        **fork_hooks(config),
     }
+
+
+def fork_hooks(config: Config) -> dict[str, Any]:
+    """gunicorn hooks around forking the worker, for the full collections ``tokenmill launch`` held back
+    (:mod:`~tokenmill.model.collector`): the master, started, freezes what it imported and lets them run (it watches
+    its worker for months); a worker that loads its model at start holds them back again until that start
+    ends. A router's worker loads models later: it does not."""
+    def pre_fork(arbiter: Any, worker: Any) -> None:
+        kv_memory.freeze_start_heap()
+
+    def post_fork(arbiter: Any, worker: Any) -> None:
+        if not config.serves_several():
+            collector.hold_full_collections()
+
+    return {"pre_fork": pre_fork, "post_fork": post_fork}
 
 
 def forward_second_sigterm(arbiter: Any) -> None:
