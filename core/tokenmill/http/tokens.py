@@ -33,7 +33,7 @@ from tokenmill.http.tgi.validation import Validator
 
 
 def serving_validator(state: ServerState) -> Validator:
-    """A validator for settings only (its tokenizer is a worker's: tokenize on a worker)."""
+    """A validator for settings only (its tokenizer is the engine's: tokenize on a worker)."""
     state.check_ready()
     validator = state.workers.first
     assert validator is not None  # set before the engine is ready
