@@ -155,6 +155,9 @@ class ServerState:
         self.config = started.config  # its limits settled for the model
         self.prefix_caching_off = started.prefix_caching_off
         self.compiler = started.compiler
+        self._start(started.engine)
+        if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
+            self.compiler.start()
         adapters, config, loaded = started.adapters, self.config, started.loaded
         self.workers.start(lambda tokenizer: Validator(
             tokenizer, config, started.vocab_size,
@@ -162,9 +165,6 @@ class ServerState:
             model_id=loaded.model_id, unavailable_reason=started.engine.unavailable_reason,
             vision=worker_vision(loaded.processor, tokenizer, loaded.model.config) if loaded.processor else None),
             loaded.tokenizer)
-        self._start(started.engine)
-        if self.compiler is not None:  # before /health says 200: a client never sees "eager" while one is due
-            self.compiler.start()
         self.engine = started.engine
 
     def load_pooler(self) -> None:
@@ -173,9 +173,9 @@ class ServerState:
         self.loaded = loaded
         self.vocab_size = loaded.model.get_input_embeddings().num_embeddings
         self.chat_format = choose_chat_format(self.pm, None, None, loaded.tokenizer)  # /tokenize reads messages too
+        self._start(pooler)
         self.workers.start(lambda tokenizer: Validator(tokenizer, config, self.vocab_size, model_id=loaded.model_id),
                            loaded.tokenizer)
-        self._start(pooler)
         self.pooler = pooler
 
     def _start(self, engine: Engine | PoolingEngine) -> None:

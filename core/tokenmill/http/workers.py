@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import copy
 import queue
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,12 +32,17 @@ class ValidationWorkers:
         holds the engine's own tokenizer, so it never tokenizes."""
 
     def start(self, make: Callable[[Any], Validator], tokenizer: Any) -> None:
-        """Make the settings validator now (:attr:`first`), and on the workers one validator each from a copy
-        of ``tokenizer`` of its own: a copy takes 0.15-0.19 s, which the start need not wait for (a request
-        meanwhile waits for a free validator)."""
+        """Make the settings validator now (:attr:`first`), and the workers' in a thread of their own, each from
+        a copy of ``tokenizer``: a copy takes 0.15-0.19 s, which the start need not wait for (a request
+        meanwhile waits on a worker for a free validator; on the workers themselves the copies would queue
+        behind it). Call last in the start: the copies hold the GIL most of the time they take."""
         self.first = make(tokenizer)
-        for _ in range(self.count):
-            self.executor.submit(lambda: self._free.put(make(copy.deepcopy(tokenizer))))
+
+        def make_validators() -> None:
+            for _ in range(self.count):
+                self._free.put(make(copy.deepcopy(tokenizer)))
+
+        threading.Thread(target=make_validators, name="tokenmill-validators", daemon=True).start()
 
     async def validate(self, check: Callable[[Validator], T]) -> T:
         """``check(validator)`` on a worker, with a validator no other thread uses meanwhile, in this
