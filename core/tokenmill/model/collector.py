@@ -1,6 +1,6 @@
 """Python's garbage collector while a server starts: full collections held back until the start ends.
 
-A start makes some 700,000 objects that live as long as the server (modules, the model, the tokenizer).
+A start makes some 450,000 objects that live as long as the server (modules, the model, the tokenizer).
 CPython begins a full collection, which walks every tracked object, whenever the objects that survived the
 young collections grew by a quarter: six in the imports alone of SmolLM2's warm start, 0.85 s that found next
 to nothing. ``tokenmill launch`` holds them back from its first line (:func:`hold_full_collections`); young
@@ -35,4 +35,3 @@ def release_full_collections() -> None:
     if _thresholds is not None:
         gc.set_threshold(*_thresholds)
         _thresholds = None
-

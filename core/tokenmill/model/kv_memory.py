@@ -170,7 +170,7 @@ def freeze_heap(collect: bool = True) -> int:
 
 def freeze_start_heap() -> int:
     """Freeze what a start built (:func:`freeze_heap`, not collected first: the young collections that ran
-    meanwhile left about 500 cyclic objects on SmolLM2, and a full collection would walk 700,000) and let full
+    meanwhile left about 500 cyclic objects on SmolLM2, and a full collection would walk all 450,000) and let full
     collections run again where ``tokenmill launch`` held them back (:mod:`tokenmill.model.collector`). Returns how
     many objects are frozen."""
     frozen = freeze_heap(collect=False)
