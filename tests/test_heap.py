@@ -37,7 +37,6 @@ def test_freezing_the_heap_collects_garbage_first_then_hides_what_is_alive_from_
     assert any(tracked is alive for tracked in gc.get_objects())
 
 
-
 def full_collections_held() -> bool:
     return gc.get_threshold()[2] == collector.HELD_THRESHOLD
 
