@@ -123,3 +123,20 @@ def test_the_compiler_loads_a_saved_forward_and_info_says_it_came_from_the_cache
     assert compiled.from_cache is False and "torch.compile" in stages.done[0]["detail"]
     loaded, stages = started(packed_model(tiny_model_dir))
     assert loaded.from_cache is True and "saved" in stages.done[0]["detail"]
+
+
+def test_kernel_loading_is_prepared_while_the_compiled_code_s_imports_are_made():
+    import sys
+
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    from tokenmill.model.compile import OUTPUT_CODE_IMPORTS, PROBE_KERNEL, prepare_kernel_loading
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    prepare_kernel_loading()
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1  # the probe checked the vector ISAs
+    assert all(name in sys.modules for name in OUTPUT_CODE_IMPORTS)
+    zeroed = torch.ones(1)
+    CppPythonBindingsCodeCache.load_pybinding(["float*"], PROBE_KERNEL)(zeroed)
+    assert zeroed.item() == 0.0

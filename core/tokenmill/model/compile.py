@@ -5,6 +5,7 @@ its own, in the background while the server serves with the eager forward."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -125,7 +126,7 @@ class Compiler:
         detail = ("loading the one an earlier start saved" if saved else "torch.compile") \
             + ", in the background: steps ran eagerly until it was built"
         try:
-            loaded = self.stages.run(self.STAGE, self.runner.build_compiled_forward, detail=detail)
+            loaded = self.stages.run(self.STAGE, self._build_forward, detail=detail)
         except Exception as error:  # noqa: BLE001 - the eager forward keeps serving
             log.warning("the forward stays eager: %s", error)
             self.state = "eager"
@@ -137,6 +138,49 @@ class Compiler:
         freeze_heap()  # what tracing left behind (graphs, fake tensors) is collected, goes back to the OS with
         trim_heap()    # the heap's trim, and what the compile keeps is frozen
         log.info("steps now run through the compiled forward")
+
+    def _build_forward(self) -> Any:
+        prepare_kernel_loading()
+        return self.runner.build_compiled_forward()
+
+
+PROBE_KERNEL = """#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(float* out_ptr0) { out_ptr0[0] = 0.0f; }
+"""
+"""The smallest C++ kernel inductor builds (at the first start on a machine, then kept in its cache)."""
+
+OUTPUT_CODE_IMPORTS = ("torch._inductor.select_algorithm", "torch._inductor.codegen.memory_planning")
+"""The modules inductor's generated Python code imports at its top (torch 2.13): 1.7 s of imports on a slow CPU,
+made while the probe kernel loads. A name torch no longer has is skipped."""
+
+
+def prepare_kernel_loading() -> None:
+    """Do what inductor does once per process before the first C++ kernel of a compiled forward loads, with
+    the parts that wait on other processes beside the imports that need the interpreter: it checks which
+    vector instruction sets the kernels may use (a child process loads libtorch with a test library: 0.5 s
+    for each set the CPU lists, up to three) and keys its precompiled header (the C++ preprocessor over
+    torch's headers, 0.4 s). A probe kernel loaded in a thread of its own does both, while this one imports
+    what the compiled forward's code will. The modules the probe needs are imported first, here, so that
+    the two threads never import the same modules at once."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+        from torch.utils import cpp_extension  # noqa: F401 - imported by the probe otherwise
+    except ImportError:
+        return
+    probe = threading.Thread(target=_load_probe_kernel, args=(CppPythonBindingsCodeCache,),
+                             name="tokenmill-kernel-probe", daemon=True)
+    probe.start()
+    for module in OUTPUT_CODE_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    probe.join()
+
+
+def _load_probe_kernel(cache: Any) -> None:
+    try:
+        cache.load_pybinding(["float*"], PROBE_KERNEL)
+    except Exception as error:  # noqa: BLE001 - inductor does the same work when the forward's kernels load
+        log.debug("inductor's probe kernel did not load: %s", error)
 
 
 def compile_cache_hits() -> int:
